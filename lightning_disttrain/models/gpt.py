@@ -1,0 +1,315 @@
+"""GPT in one file: the config, the block, the model. Plain torch, no Lightning.
+
+GPT-2 by default (learned positions, LayerNorm, GELU MLP, tied embedding and head, GPT-2's
+initialisation) with the switches modern runs use: RoPE, RMSNorm, SwiGLU or ReLU², QK-norm,
+grouped-query attention, an untied head, and a vocabulary padded to a multiple of 64.
+
+The repeated blocks are one ``nn.ModuleList`` (``GPT.blocks``): the unit that FSDP wraps,
+activation checkpointing recomputes, ``torch.compile`` compiles and the pipeline splits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_MLPS = ("gelu", "swiglu", "relu2")
+_NORMS = ("layernorm", "rmsnorm")
+_POS = ("learned", "rope")
+
+
+@dataclass
+class GPTConfig:
+    """Shape and architecture of a GPT. ``GPTConfig.from_name`` gives the named presets."""
+
+    n_layer: int = 12
+    """Number of transformer blocks."""
+    n_head: int = 12
+    """Attention (query) heads per block; ``n_embd`` must be a multiple of it."""
+    n_embd: int = 768
+    """Width of the residual stream."""
+    block_size: int = 1024
+    """Longest sequence the model accepts (the size of the learned position table)."""
+    vocab_size: int = 50257
+    """Tokens the tokenizer can produce (GPT-2 BPE: 50,257)."""
+    pad_vocab_multiple: int = 64
+    """Embedding/head rows are padded to a multiple of this for fast matmuls; padding rows are
+    never predicted (their logits are cut off). 1 disables padding."""
+    n_kv_head: int | None = None
+    """Key/value heads for grouped-query attention; None means ``n_head`` (plain multi-head)."""
+    mlp: str = "gelu"
+    """Feed-forward: ``gelu`` (GPT-2), ``swiglu`` (LLaMA) or ``relu2`` (ReLU squared)."""
+    mlp_hidden: int | None = None
+    """Hidden width of the feed-forward; None: 4·n_embd, or ~8/3·n_embd rounded to 64 for swiglu."""
+    norm: str = "layernorm"
+    """``layernorm`` (GPT-2) or ``rmsnorm``."""
+    norm_eps: float = 1e-5
+    """Epsilon of every norm."""
+    pos_emb: str = "learned"
+    """``learned`` absolute positions (GPT-2) or ``rope`` rotary embeddings."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    qk_norm: bool = False
+    """RMS-normalise queries and keys per head before attention (stabilises large learning rates)."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output head (GPT-2)."""
+    bias: bool = True
+    """Biases in Linear layers and LayerNorms (GPT-2: True)."""
+    dropout: float = 0.0
+    """Dropout on attention probabilities and residual branches (pre-training: 0)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation; residual projections get
+    ``init_std / sqrt(2 · n_layer)`` (GPT-2 paper, section 2.3)."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.mlp_hidden is None:
+            if self.mlp == "swiglu":
+                self.mlp_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64)
+            else:
+                self.mlp_hidden = 4 * self.n_embd
+        self.validate()
+
+    def validate(self) -> None:
+        for name, value, allowed in (("mlp", self.mlp, _MLPS), ("norm", self.norm, _NORMS),
+                                     ("pos_emb", self.pos_emb, _POS)):
+            if value not in allowed:
+                raise ValueError(f"GPTConfig.{name}={value!r} is unknown; use one of {allowed}")
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
+                     "pad_vocab_multiple", "n_kv_head", "mlp_hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}; "
+                             f"change one so that n_embd / n_head is a whole head size")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head size; n_embd/n_head = {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return m * math.ceil(self.vocab_size / m)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> GPTConfig:
+        """A named preset, optionally with fields overridden (``from_name("tiny", vocab_size=257)``)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(PRESETS)}")
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"GPTConfig has no field(s) {sorted(unknown)}")
+        return replace(PRESETS[name], **overrides)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # GPT-2's published shapes (Radford et al. 2019, table 2; sizes as counted by HF/nanoGPT).
+    "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-774m": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-1558m": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+    # CPU sizes: about 0.8M and 10.6M parameters in the blocks (the embedding adds
+    # vocab x n_embd: small with the byte tokenizer, large with GPT-2's 50,257 tokens).
+    "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=256),
+    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=512),
+}
+
+
+def _norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or config.n_embd
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+
+
+def rope_tables(config: GPTConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (block_size, head_dim/2), computed in fp32."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(config.block_size, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, T, H, D) by position; pairs are the two halves of D (GPT-NeoX layout)."""
+    T = x.size(1)
+    cos, sin = cos[:T, None, :], sin[:T, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        kv_dim = config.n_kv_head * config.head_dim
+        # Separate q/k/v projections (not one fused c_attn) so that column-wise tensor parallel
+        # shards whole heads of each.
+        self.wq = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.wk = nn.Linear(config.n_embd, kv_dim, bias=config.bias)
+        self.wv = nn.Linear(config.n_embd, kv_dim, bias=config.bias)
+        self.wo = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 rather than n_head: under tensor parallel each rank holds a slice of the heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D) for SDPA
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.kind = config.mlp
+        self.w1 = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.w2 = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.w3 = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias) if self.kind == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x)
+        if self.kind == "gelu":
+            h = F.gelu(h, approximate="tanh")  # GPT-2's tanh approximation
+        elif self.kind == "relu2":
+            h = F.relu(h).square()
+        else:
+            h = F.silu(h) * self.w3(x)
+        return self.w2(h)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn_norm = _norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = _norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        V = config.padded_vocab_size
+        self.wte = nn.Embedding(V, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = _norm(config)
+        self.lm_head = nn.Linear(config.n_embd, V, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        if config.pos_emb == "rope":
+            # Not persistent: derived from the config, recomputed by init_weights after a meta build.
+            cos, sin = rope_tables(config)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and buffer in place.
+
+        Called at construction and again by strategies after a model built on the meta device has
+        been materialised with ``to_empty``. GPT-2 init: N(0, 0.02) for weights and embeddings,
+        zero biases, unit norms; the projections that write into the residual stream (attention
+        ``wo``, MLP ``w2``) get std / sqrt(2·n_layer) so the residual's variance stays O(1) with depth.
+        """
+        c = self.config
+        resid_std = c.init_std / math.sqrt(2 * c.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = resid_std if name.endswith(("attn.wo", "mlp.w2")) else c.init_std
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=c.init_std)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        if c.pos_emb == "rope":
+            cos, sin = rope_tables(c, device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) → logits (B, T, vocab_size); padding columns are cut off."""
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}; "
+                             f"use shorter sequences or a config with a larger block_size")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        x = self.drop(x)
+        rope = (self.rope_cos, self.rope_sin) if self.config.pos_emb == "rope" else None
+        for block in self.blocks:
+            x = block(x, rope)
+        logits = self.lm_head(self.ln_f(x))
+        if self.config.padded_vocab_size != self.config.vocab_size:
+            logits = logits[..., : self.config.vocab_size]
+        return logits
+
+    def num_params(self, embeddings: bool = True, padding: bool = False) -> int:
+        """Parameters counted once (tied weights once).
+
+        ``embeddings=False`` leaves out the token and position tables (the head stays, when untied).
+        ``padding=False`` leaves out the vocabulary padding rows, so GPT-2 124M counts 124,439,808
+        as published; ``padding=True`` is what is allocated.
+        """
+        c = self.config
+        total = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+        pad_rows = c.padded_vocab_size - c.vocab_size
+        if not padding:
+            total -= pad_rows * c.n_embd * (1 if c.tie_embeddings else 2)
+        if not embeddings:
+            total -= self.wte.weight.numel() - (0 if padding else pad_rows * c.n_embd)
+            if self.wpe is not None:
+                total -= self.wpe.weight.numel()
+            if c.tie_embeddings:  # the tied head is a matmul, not a lookup: it counts
+                total += c.vocab_size * c.n_embd + (pad_rows * c.n_embd if padding else 0)
+        return total
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token: 6·N + 12·L·H·Dh·T (PaLM appendix B, causal mask not credited).
+
+        N counts the matmul weights a token passes through: every non-embedding parameter plus the
+        head at its padded size (the head matmul runs over the padded rows).
+        """
+        c = self.config
+        T = seq_len or c.block_size
+        n = self.num_params(embeddings=False, padding=True)
+        return 6 * n + 12 * c.n_layer * c.n_head * c.head_dim * T
