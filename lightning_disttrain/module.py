@@ -1,0 +1,236 @@
+"""GPTModule: the GPT as a LightningModule (loss, optimizers, schedules, parallel plan, sampling)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from lightning_disttrain.models.gpt import GPT, GPTConfig
+from lightning_disttrain.optim import SCHEDULES, build_optimizer, build_scheduler
+from lightning_disttrain.parallel.plan import ParallelPlan
+
+
+class GPTModule(L.LightningModule):
+    """Next-token GPT pre-training.
+
+    Args:
+        config: a preset name (``"gpt2-124m"``, ``"small"``, ``"tiny"``, ...) or a ``GPTConfig``.
+        vocab_size: overrides the config's vocabulary (the CLI links it to the data's tokenizer).
+        model_overrides: further ``GPTConfig`` fields, e.g. ``{"pos_emb": "rope", "norm": "rmsnorm"}``.
+        optimizer: ``"adamw"`` or ``"muon"`` (Muon on the blocks' 2-D matrices, AdamW elsewhere).
+        lr: AdamW peak learning rate. muon_lr: Muon's peak learning rate.
+        weight_decay: applied to 2-D weights only.
+        schedule: ``"cosine"`` (warmup then cosine to ``min_lr_ratio``), ``"wsd"``
+            (warmup-stable-decay, decaying over the last ``decay_fraction``) or ``"constant"``.
+        warmup_steps / max_steps: in optimizer steps; ``max_steps=None`` takes the Trainer's
+            ``estimated_stepping_batches``.
+        init_device: ``"meta"`` builds the model without memory, for models too large for one
+            host; a lightning-disttrain strategy then shards and materialises it. None builds on
+            whatever device the strategy's init context selects.
+        tokenizer: name for ``generate`` on strings; defaults to the data module's tokenizer.
+    """
+
+    def __init__(
+        self,
+        config: str | GPTConfig = "tiny",
+        vocab_size: int | None = None,
+        model_overrides: dict[str, Any] | None = None,
+        optimizer: str = "adamw",
+        lr: float = 6e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        muon_lr: float = 0.02,
+        muon_momentum: float = 0.95,
+        schedule: str = "cosine",
+        warmup_steps: int = 0,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        decay_fraction: float = 0.2,
+        init_device: str | None = None,
+        tokenizer: str | None = None,
+    ) -> None:
+        super().__init__()
+        overrides = dict(model_overrides or {})
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        if isinstance(config, GPTConfig):
+            self.config = GPTConfig(**{**asdict(config), **overrides})
+        elif isinstance(config, dict):  # as stored in a checkpoint's hyper-parameters
+            self.config = GPTConfig(**{**config, **overrides})
+        else:
+            self.config = GPTConfig.from_name(config, **overrides)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
+        if init_device not in (None, "meta", "cpu", "cuda"):
+            raise ValueError(f"init_device={init_device!r}; use None, 'meta', 'cpu' or 'cuda'")
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = asdict(self.config)
+        self.model: GPT | None = None
+        self.val_loss = MeanMetric()
+        self.tokens_seen = 0
+        self._tokenizer = None
+        self._last_step_time: float | None = None
+        self._tok_per_s: float | None = None
+
+    # ---- model construction -------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        """Build the GPT; Lightning calls this under the strategy's init/sharding context."""
+        if self.model is not None:
+            return
+        if self.hparams.init_device is not None:
+            with torch.device(self.hparams.init_device):
+                self.model = GPT(self.config)
+        else:
+            self.model = GPT(self.config)
+
+    def init_weights(self) -> None:
+        """(Re)initialise all weights in place; strategies call it after materialising meta tensors."""
+        self.model.init_weights()
+
+    def parallel_plan(self) -> ParallelPlan:
+        self.configure_model()
+        m = self.model
+        groups = [] if self.config.tie_embeddings else [[m.wte], [m.ln_f, m.lm_head]]
+        return ParallelPlan(blocks=m.blocks, fsdp_groups=groups)
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (6·N + 12·L·H·Dh·T); see ``GPT.flops_per_token``."""
+        self.configure_model()
+        return self.model.flops_per_token(seq_len)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    # ---- training -----------------------------------------------------------------------
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # fp32 log-softmax: bf16 cross-entropy over 50k classes loses the small probabilities.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def _data_parallel_size(self) -> int:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("num_replicas", 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.tokens_seen += x.numel() * self._data_parallel_size()
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)
+        self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # Tokens/s over the last batch for the progress bar; MFUMonitor does the careful version.
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            rate = batch[0].numel() * self._data_parallel_size() / max(now - self._last_step_time, 1e-9)
+            self._tok_per_s = rate if self._tok_per_s is None else 0.8 * self._tok_per_s + 0.2 * rate
+            self.log("tok/s", self._tok_per_s, prog_bar=True, on_step=True, on_epoch=False, logger=False)
+        self._last_step_time = now
+
+    def on_train_epoch_start(self) -> None:
+        self._last_step_time = None
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.val_loss.update(self.loss_fn(self(x), y), weight=x.numel())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # torchmetrics syncs across ranks
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(loss), sync_dist=False)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("test/loss", loss)
+        self.log("test/ppl", torch.exp(loss))
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = build_optimizer(
+            self, hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), eps=hp.eps,
+            muon_lr=hp.muon_lr, muon_momentum=hp.muon_momentum)
+        total = hp.max_steps or int(self.trainer.estimated_stepping_batches)
+        if not math.isfinite(total) or total <= 0:
+            raise ValueError("set Trainer(max_steps=...) or GPTModule(max_steps=...) so the LR schedule knows its length")
+        scheduler = build_scheduler(optimizer, schedule=hp.schedule, warmup_steps=hp.warmup_steps,
+                                    total_steps=total, min_lr_ratio=hp.min_lr_ratio,
+                                    decay_fraction=hp.decay_fraction)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+
+    # ---- sampling -----------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            name = self.hparams.tokenizer
+            dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            if name is None and dm is not None and getattr(dm, "tokenizer", None) is not None:
+                self._tokenizer = dm.tokenizer
+            else:
+                from lightning_disttrain.data import get_tokenizer
+
+                self._tokenizer = get_tokenizer(name or "gpt2")
+        return self._tokenizer
+
+    @torch.no_grad()
+    def generate(self, prompt: str | torch.Tensor, max_new_tokens: int = 64, temperature: float = 1.0,
+                 top_k: int | None = None, seed: int | None = None) -> str | torch.Tensor:
+        """Sample a continuation. A string prompt returns text; a (B, T) id tensor returns ids.
+
+        Every rank must call it under sharded strategies (each forward is collective); with
+        ``seed`` all ranks draw the same tokens.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+        self.configure_model()
+        as_text = isinstance(prompt, str)
+        if as_text:
+            ids = self.tokenizer.encode(prompt) or [self.tokenizer.eot_token]
+            idx = torch.tensor([ids], dtype=torch.long, device=self.device)
+        else:
+            idx = prompt.to(self.device)
+        gen = torch.Generator(device=idx.device)
+        if seed is not None:
+            gen.manual_seed(seed)
+        else:
+            gen.seed()
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size:])[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=gen)
+            idx = torch.cat([idx, nxt], dim=1)
+        self.train(was_training)
+        return self.tokenizer.decode(idx[0].tolist()) if as_text else idx

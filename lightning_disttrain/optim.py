@@ -1,0 +1,157 @@
+"""Optimizers and learning-rate schedules for GPT training.
+
+- AdamW with weight decay on 2-D weights only (norms, biases: none), fused on CUDA.
+- Hybrid Muon: ``torch.optim.Muon`` on the 2-D hidden matrices of the blocks, AdamW on the
+  embedding, the head, norms and biases (Muon is defined for hidden matrices only; Keller Jordan's
+  recipe). Lightning's automatic optimization takes one optimizer, so the two travel together as
+  one ``HybridOptimizer``; checkpointing code unpacks ``.optimizers``.
+- Schedules as multipliers of each group's base LR, stepped once per optimizer step: linear
+  warmup then cosine down to ``min_lr_ratio``, or warmup-stable-decay (WSD: hold, then linear
+  decay over the final ``decay_fraction`` of training).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.optim import Optimizer
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+class HybridOptimizer(Optimizer):
+    """Several optimizers stepped as one; ``param_groups`` and ``state`` are their union.
+
+    Schedulers see every group (each keeps its own base LR); ``state_dict`` nests the parts.
+    """
+
+    def __init__(self, optimizers: list[Optimizer]):
+        self.optimizers = list(optimizers)
+        # Deliberately not calling Optimizer.__init__: the parts own the groups and the state.
+        self.defaults = {}
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        merged: dict = {}
+        for opt in self.optimizers:
+            merged.update(opt.state)
+        return merged
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        parts = state_dict["optimizers"]
+        if len(parts) != len(self.optimizers):
+            raise ValueError(f"checkpoint holds {len(parts)} optimizers, this run has {len(self.optimizers)}")
+        for opt, sd in zip(self.optimizers, parts):
+            opt.load_state_dict(sd)
+
+    def __repr__(self) -> str:
+        return f"HybridOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
+
+
+def _split_decay(named: Iterable[tuple[str, nn.Parameter]]) -> tuple[list, list]:
+    decay, no_decay = [], []
+    for _, p in named:
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return decay, no_decay
+
+
+def _fused_ok(params: list[torch.Tensor]) -> bool:
+    # Fused AdamW wants every param on one CUDA-like device; DTensors qualify on CUDA too.
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
+def build_adamw(named: list[tuple[str, nn.Parameter]], lr: float, weight_decay: float,
+                betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
+    decay, no_decay = _split_decay(named)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    fused = _fused_ok([p for g in groups for p in g["params"]])
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None,
+                             foreach=None if fused else True)
+
+
+def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 6e-4, weight_decay: float = 0.1,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, muon_lr: float = 0.02,
+                    muon_momentum: float = 0.95, hidden_matrices: Callable[[str, nn.Parameter], bool] | None = None
+                    ) -> Optimizer:
+    """The optimizer ``GPTModule`` trains with.
+
+    ``hidden_matrices(name, param)`` picks Muon's parameters; by default the 2-D weights inside
+    ``blocks`` (not the embedding, head, norms or biases).
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if name == "adamw":
+        return build_adamw(named, lr, weight_decay, tuple(betas), eps)
+    if not hasattr(torch.optim, "Muon"):
+        raise ValueError(f"optimizer='muon' needs torch.optim.Muon (torch>=2.9); this is torch {torch.__version__}")
+    is_hidden = hidden_matrices or (lambda n, p: p.dim() == 2 and ".blocks." in f".{n}")
+    hidden = [(n, p) for n, p in named if is_hidden(n, p)]
+    rest = [(n, p) for n, p in named if not is_hidden(n, p)]
+    if not hidden:
+        raise ValueError("optimizer='muon' found no 2-D hidden matrices; pass hidden_matrices= to choose them")
+    # adjust_lr_fn="match_rms_adamw" scales Muon's update to AdamW's RMS so one weight decay fits both.
+    muon = torch.optim.Muon([p for _, p in hidden], lr=muon_lr, weight_decay=weight_decay,
+                            momentum=muon_momentum, adjust_lr_fn="match_rms_adamw")
+    parts: list[Optimizer] = [muon]
+    if rest:
+        parts.append(build_adamw(rest, lr, weight_decay, tuple(betas), eps))
+    return HybridOptimizer(parts)
+
+
+def lr_multiplier(step: int, *, schedule: str, warmup_steps: int, total_steps: int,
+                  min_lr_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
+    """Multiplier of the base LR at optimizer step ``step`` (0-based)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(1, int(round(decay_fraction * total_steps)))
+    decay_start = max(warmup_steps, total_steps - decay_steps)
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+    return 1.0 - (1.0 - min_lr_ratio) * progress
+
+
+def build_scheduler(optimizer: Optimizer, **kwargs) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, **kwargs))
