@@ -86,11 +86,23 @@ class GPTModule(L.LightningModule):
         """Build the GPT; Lightning calls this under the strategy's init/sharding context."""
         if self.model is not None:
             return
+        self._adopt_data_vocab()
         if self.hparams.init_device is not None:
             with torch.device(self.hparams.init_device):
                 self.model = GPT(self.config)
         else:
             self.model = GPT(self.config)
+
+    def _adopt_data_vocab(self) -> None:
+        # Without an explicit vocab_size the model takes the data module's tokenizer's, so a YAML
+        # names the tokenizer once. Stored in hparams so load_from_checkpoint rebuilds the same shape.
+        if self.hparams.vocab_size is not None or self._trainer is None:
+            return
+        vocab = getattr(getattr(self._trainer, "datamodule", None), "vocab_size", None)
+        if vocab is not None and vocab != self.config.vocab_size:
+            self.config = GPTConfig(**{**asdict(self.config), "vocab_size": int(vocab)})
+            self.hparams["config"] = asdict(self.config)
+            self.hparams["vocab_size"] = int(vocab)
 
     def init_weights(self) -> None:
         """(Re)initialise all weights in place; strategies call it after materialising meta tensors."""

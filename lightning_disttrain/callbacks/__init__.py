@@ -1,0 +1,3 @@
+"""Callbacks for any Lightning project: activation checkpointing, float8, MFU, samples, ..."""
+
+from lightning_disttrain.callbacks.sample import SampleGeneration

@@ -1,0 +1,46 @@
+"""SampleGeneration: print a generated sample during and at the end of training."""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+
+
+class SampleGeneration(L.Callback):
+    """Samples text from a LightningModule that has ``generate(prompt, ...)`` (e.g. ``GPTModule``).
+
+    Every rank generates (under sharded strategies each forward is a collective) with one shared
+    seed, so all ranks draw the same tokens; rank 0 prints and logs the text.
+
+    Args:
+        prompt: text to continue.
+        max_new_tokens / temperature / top_k: sampling settings.
+        every_n_steps: also sample every n optimizer steps (None: only at the end of training).
+        seed: sampling seed shared by all ranks.
+    """
+
+    def __init__(self, prompt: str = "\n", max_new_tokens: int = 128, temperature: float = 0.8,
+                 top_k: int | None = 40, every_n_steps: int | None = None, seed: int = 0) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps} must be >= 1 or None")
+        self.prompt, self.max_new_tokens = prompt, max_new_tokens
+        self.temperature, self.top_k = temperature, top_k
+        self.every_n_steps, self.seed = every_n_steps, seed
+        self.samples: list[tuple[int, str]] = []
+
+    def _sample(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not callable(getattr(pl_module, "generate", None)):
+            raise ValueError(f"SampleGeneration needs {type(pl_module).__name__}.generate(prompt, ...)")
+        text = pl_module.generate(self.prompt, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                  top_k=self.top_k, seed=self.seed)
+        self.samples.append((trainer.global_step, text))
+        rank_zero_info(f"\n----- sample at step {trainer.global_step} -----\n{text}\n" + "-" * 40)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and \
+                (not self.samples or self.samples[-1][0] != step):
+            self._sample(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._sample(trainer, pl_module)
