@@ -247,10 +247,16 @@ class GPT(nn.Module):
         been materialised with ``to_empty``. GPT-2 init: N(0, 0.02) for weights and embeddings,
         zero biases, unit norms; the projections that write into the residual stream (attention
         ``wo``, MLP ``w2``) get std / sqrt(2·n_layer) so the residual's variance stays O(1) with depth.
+        The result depends only on the RNG state at the call, not on how the model was built.
         """
         c = self.config
+        if c.tie_embeddings and self.lm_head.weight is not self.wte.weight:
+            # to_empty() on a meta-built model gives each module its own new tensor: tie again.
+            self.lm_head.weight = self.wte.weight
         resid_std = c.init_std / math.sqrt(2 * c.n_layer)
         for name, module in self.named_modules():
+            if module is self.lm_head and c.tie_embeddings:
+                continue  # the tied head is the embedding, initialised once as an Embedding
             if isinstance(module, nn.Linear):
                 std = resid_std if name.endswith(("attn.wo", "mlp.w2")) else c.init_std
                 nn.init.normal_(module.weight, mean=0.0, std=std)
