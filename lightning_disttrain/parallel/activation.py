@@ -1,0 +1,284 @@
+"""Activation checkpointing per block: trade recomputation in backward for activation memory.
+
+Policies (``ActivationCheckpointConfig.policy``):
+
+- ``"selective"``: op-level selective checkpointing (SAC) in every block. The outputs of the
+  FLOP-dense ops (matmuls, scaled-dot-product attention, collectives) are kept; everything cheap
+  (norms, activations, residual adds, RoPE) is recomputed in backward from them. Attention is
+  therefore never recomputed: the one op whose recomputation costs as much as its forward (and,
+  on GPU, a second FlashAttention kernel) runs once per block per step.
+  ``recompute_matmuls="every_other"`` additionally recomputes every second matmul of each block,
+  for more memory saved at the cost of about half the block's linear-layer FLOPs again.
+- ``"block"``: every ``every_k``-th block (0, k, 2k, ...) is fully recomputed; the others keep all
+  their activations.
+- ``"full"``: every block is fully recomputed (memory: one block input per block).
+- ``"none"``: nothing is changed.
+
+How blocks are wrapped, and why not ``checkpoint_wrapper``: wrapping a block in a
+``CheckpointWrapper`` inserts ``_checkpoint_wrapped_module.`` into every parameter name below it.
+Its state-dict hooks strip that again, but ``named_parameters()`` / ``named_modules()`` from the
+root keep it, so optimizer parameter names, tensor-parallel plans and FQN filters (float8's
+``filter_fqns``) would all see two spellings of one model. Instead the block keeps its place and
+class and gets an instance-level ``forward`` that runs the class's forward under
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. Every FQN stays as it was, and module
+hooks (FSDP2's all-gather / reshard, float8's) stay outside the checkpointed region as they would
+around a wrapper. The bound method is a ``types.MethodType``, so ``copy.deepcopy`` of a
+checkpointed model checkpoints the copy's own weights. (Pickling restores the block without
+checkpointing: apply again after unpickling.)
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+ACPolicy = Literal["none", "selective", "block", "full"]
+MatmulRecompute = Literal["none", "every_other"]
+POLICIES: tuple[str, ...] = ("none", "selective", "block", "full")
+MATMUL_RECOMPUTE: tuple[str, ...] = ("none", "every_other")
+
+
+def _resolve(names: Iterable[str]) -> frozenset:
+    """OpOverloads by dotted name; ops this build lacks (no distributed, no cuDNN) are skipped."""
+    found = set()
+    for name in names:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+MATMUL_OPS = _resolve([
+    # nn.Linear reaches dispatch as addmm (with bias) or mm (without): aten.linear and aten.matmul
+    # are composite and decompose before any dispatch mode sees them; listed for subclasses that
+    # intercept them whole.
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+    "aten.matmul.default", "aten.linear.default",
+    "aten._scaled_mm.default",  # float8 matmuls (torchao Float8Linear)
+])
+"""Matmuls: saved under ``"selective"``; every second one recomputed with ``"every_other"``."""
+
+ATTENTION_OPS = _resolve([
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+])
+"""The fused SDPA kernels ``F.scaled_dot_product_attention`` dispatches to. (The math fallback
+is composite: it reaches dispatch as bmm/softmax, whose bmm outputs are saved as matmuls.)"""
+
+COLLECTIVE_OPS = _resolve([
+    # Under tensor/sequence parallel a recomputed collective is a second round of communication.
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_gather_into_tensor.default",
+    "_c10d_functional.all_reduce.default",
+])
+
+LOW_PRECISION_OPS = _resolve([
+    # float8 scaling: amax results are scalars (free to keep) and recomputing one of an FSDP-
+    # sharded weight would mean another all-reduce.
+    "aten.max.default",
+])
+
+DEFAULT_SAVE_OPS: frozenset = MATMUL_OPS | ATTENTION_OPS | COLLECTIVE_OPS | LOW_PRECISION_OPS
+"""What ``"selective"`` keeps (MUST_SAVE); every other op is PREFER_RECOMPUTE."""
+
+_MARK = "_ldt_activation_checkpoint"  # instance attribute: the config a block was wrapped with
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointConfig:
+    """How blocks are checkpointed; validated on construction."""
+
+    policy: ACPolicy = "selective"
+    """``"selective"`` (op-level, default), ``"block"`` (every ``every_k``-th block), ``"full"``
+    (every block) or ``"none"``."""
+    every_k: int = 2
+    """With ``policy="block"``: checkpoint blocks 0, k, 2k, ... (1 is the same as ``"full"``)."""
+    recompute_matmuls: MatmulRecompute = "none"
+    """With ``policy="selective"``: ``"every_other"`` recomputes the 2nd, 4th, ... matmul of each
+    block instead of keeping it."""
+    preserve_rng_state: bool = True
+    """Replay the forward's RNG state in the recomputation so dropout draws the same mask. Costs a
+    state save per block and call; ``False`` is safe only without dropout (or other randomness)."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"activation checkpointing policy={self.policy!r} is unknown; "
+                             f"use one of {POLICIES}")
+        if self.recompute_matmuls not in MATMUL_RECOMPUTE:
+            raise ValueError(f"recompute_matmuls={self.recompute_matmuls!r} is unknown; "
+                             f"use one of {MATMUL_RECOMPUTE}")
+        if isinstance(self.every_k, bool) or not isinstance(self.every_k, int) or self.every_k < 1:
+            raise ValueError(f"every_k={self.every_k!r} must be an int >= 1 (1 checkpoints every "
+                             f"block, like policy='full')")
+        if self.recompute_matmuls != "none" and self.policy != "selective":
+            raise ValueError(f"recompute_matmuls={self.recompute_matmuls!r} only applies to "
+                             f"policy='selective' (got policy={self.policy!r}); drop it or "
+                             f"switch the policy")
+
+
+def selective_context_fn(
+    save_ops: frozenset = DEFAULT_SAVE_OPS,
+    recompute_matmuls: MatmulRecompute = "none",
+) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for ``checkpoint`` that saves ``save_ops``' outputs and recomputes the rest.
+
+    ``checkpoint`` calls ``context_fn`` once per checkpointed call, so the matmul counter below
+    is per block and per forward: the 2nd, 4th, ... matmul *of this block in this step* is
+    recomputed, whatever happened in other blocks or steps. Counting is split between forward
+    and recomputation because older torch versions consult the policy again while recomputing
+    (``ctx.is_recompute=True``); each pass must see the same sequence 1, 2, 3, ... to make the
+    same choices. (torch >= 2.10 consults it in forward only and replays the choices by index.)
+    """
+    every_other = recompute_matmuls == "every_other"
+
+    def context_fn():
+        matmuls_seen = {False: 0, True: 0}  # keyed by ctx.is_recompute
+
+        def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+            if op not in save_ops:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            if every_other and op in MATMUL_OPS:
+                matmuls_seen[ctx.is_recompute] += 1
+                if matmuls_seen[ctx.is_recompute] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+            # MUST (not PREFER): torch.compile's partitioner may not override it and recompute
+            # attention after all.
+            return CheckpointPolicy.MUST_SAVE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    # Bound to the block as an instance attribute; runs the class's own forward under checkpoint.
+    forward = type(self).forward.__get__(self)
+    if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so nothing to trade
+        return forward(*args, **kwargs)
+    cfg: ActivationCheckpointConfig = getattr(self, _MARK)
+    extra = {}
+    if cfg.policy == "selective":
+        extra["context_fn"] = self._ldt_ac_context_fn
+    return checkpoint(forward, *args, use_reentrant=False,
+                      preserve_rng_state=cfg.preserve_rng_state, **extra, **kwargs)
+
+
+def checkpoint_config_of(block: nn.Module) -> ActivationCheckpointConfig | None:
+    """The config ``block`` was checkpointed with, or None."""
+    return block.__dict__.get(_MARK)
+
+
+def checkpoint_block(block: nn.Module, config: ActivationCheckpointConfig,
+                     save_ops: frozenset = DEFAULT_SAVE_OPS) -> None:
+    """Make ``block``'s forward checkpointed (``config.policy`` "selective" or "full"), in place."""
+    if config.policy not in ("selective", "full"):
+        raise ValueError(f"checkpoint_block takes policy 'selective' or 'full' for one block, "
+                         f"got {config.policy!r}; use apply_activation_checkpointing for a list")
+    if checkpoint_config_of(block) is not None:
+        raise ValueError(f"{type(block).__name__} is already checkpointed "
+                         f"({checkpoint_config_of(block)}); call remove_activation_checkpointing "
+                         f"first to change the policy")
+    if "forward" in block.__dict__:
+        raise ValueError(f"{type(block).__name__} already has an instance-level forward (another "
+                         f"wrapper?); checkpointing would bypass it. Apply checkpointing first.")
+    # Plain instance attributes (not submodules / buffers): state_dict and FQNs are untouched.
+    object.__setattr__(block, _MARK, config)
+    object.__setattr__(block, "_ldt_ac_context_fn",
+                       selective_context_fn(save_ops, config.recompute_matmuls))
+    object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
+
+
+def remove_activation_checkpointing(blocks: Iterable[nn.Module]) -> None:
+    """Undo ``apply_activation_checkpointing``: blocks run their class's forward again."""
+    for block in blocks:
+        for name in ("forward", _MARK, "_ldt_ac_context_fn"):
+            block.__dict__.pop(name, None)
+
+
+def apply_activation_checkpointing(
+    blocks: nn.ModuleList,
+    policy: ACPolicy = "selective",
+    every_k: int = 2,
+    recompute_matmuls: MatmulRecompute = "none",
+    preserve_rng_state: bool = True,
+    save_ops: frozenset = DEFAULT_SAVE_OPS,
+) -> list[int]:
+    """Checkpoint ``blocks`` in place by ``policy``; returns the indices of the blocks changed.
+
+    Runs at stage ``"activation_checkpointing"``: after tensor parallel (so it checkpoints the
+    sharded block, collectives included) and before compile (so dynamo traces the policy into
+    the graph) and FSDP (whose hooks stay outside the checkpointed region).
+
+    ``save_ops`` (selective only) replaces the set of ops whose outputs are kept.
+    """
+    config = ActivationCheckpointConfig(policy=policy, every_k=every_k,
+                                        recompute_matmuls=recompute_matmuls,
+                                        preserve_rng_state=preserve_rng_state)
+    if config.policy == "none":
+        return []
+    if config.policy == "block":
+        chosen = [i for i in range(len(blocks)) if i % config.every_k == 0]
+        per_block = ActivationCheckpointConfig(policy="full", preserve_rng_state=preserve_rng_state)
+    else:
+        chosen = list(range(len(blocks)))
+        per_block = config
+    for i in chosen:
+        checkpoint_block(blocks[i], per_block, save_ops=frozenset(save_ops))
+    return chosen
+
+
+def _plain(t: Any) -> bool:
+    # Tensor subclasses (DTensor, float8) may have no storage of their own; meta tensors none.
+    return type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta"
+
+
+class _NewStorageTracker(TorchDispatchMode):
+    # Weak references to every storage an op allocated (outputs that are not views of an input).
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _plain(t)}
+        for t in tree_leaves(out):
+            if _plain(t):
+                storage = t.untyped_storage()
+                if storage._cdata not in inputs and storage._cdata not in self.storages:
+                    self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+
+def activation_bytes(forward: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``forward()``; return its result and the bytes of the tensors it allocated that are
+    still alive when it returns: what backward will read (plus the result itself).
+
+    Why not sum tensors in a ``saved_tensors_hooks`` pack hook: only the innermost pair of hooks
+    sees a saved tensor, and non-reentrant checkpointing installs its own around each block, so
+    an outer hook never sees what a checkpointed block keeps (its inputs, held by the
+    recomputation closure, and SAC's cache of op outputs). Counting live storages sees all of
+    them. Views share their base's storage and count once; parameters are not allocated by the
+    forward and do not count.
+    """
+    tracker = _NewStorageTracker()
+    with tracker:
+        result = forward()
+    alive = sum(n for ref, n in tracker.storages.values() if not ref.expired())
+    return result, alive
