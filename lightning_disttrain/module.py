@@ -154,7 +154,11 @@ class GPTModule(L.LightningModule):
         self._last_step_time = None
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap LightningOptimizer
+        parts = getattr(optimizer, "optimizers", [optimizer])  # HybridOptimizer: Muon first, AdamW last
+        self.log("train/lr", parts[-1].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        if len(parts) > 1:
+            self.log("train/lr_muon", parts[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
