@@ -1,0 +1,443 @@
+"""NDParallelStrategy: one Lightning strategy for every combination of FSDP2 / HSDP (and, as their
+issues land, TP / PP / EP / CP) over one named ``DeviceMesh``.
+
+What runs when (Lightning 2.6, ``Trainer._run``), and what this strategy does at each point:
+
+1. ``Trainer(...)``: the accelerator connector calls ``set_world_ranks`` -> every degree is
+   validated against the world size (``ParallelDims``) before any process exists.
+2. ``setup_environment``: the degrees are validated again against the final world size, then the
+   process group (gloo on CPU, nccl on CUDA) and the mesh are created; the LightningModule gets
+   ``self.device_mesh``.
+3. ``setup`` hooks: data module, then **callbacks** (they register their model transforms with
+   ``trainer.strategy.transforms`` here), then the LightningModule.
+4. ``configure_model`` runs under ``tensor_init_context`` (the meta device with ``empty_init``).
+5. ``setup`` (this strategy): precision conversion, the transforms in ``STAGES`` order (ours is the
+   ``fsdp`` stage), materialisation, then the optimizers, which must see the sharded parameters.
+6. Training: non-final micro-batches of gradient accumulation run inside ``block_backward_sync``,
+   which turns FSDP's gradient reduction off; gradient clipping goes through ``clip_grad_norm_``.
+
+Checkpointing (DCP) is not here: it comes from ``DCPCheckpointMixin`` (``checkpointing.py``), which
+reads ``parallel_dims``, ``device_mesh``, ``async_save``, ``lightning_module``, ``optimizers``,
+``barrier()``, ``global_rank`` and ``world_size`` from this class.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lightning_disttrain.parallel.fsdp import (
+    apply_fsdp,
+    clip_grad_norm_,
+    fsdp_root,
+    mp_policy_for_precision,
+    set_gradient_sync,
+)
+from lightning_disttrain.parallel.mesh import ParallelDims
+from lightning_disttrain.parallel.plan import find_parallel_plan
+from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
+
+# Degrees whose transforms exist. The TP / PP / EP / CP issues add theirs here.
+_SUPPORTED_DEGREES = ("dp_replicate", "dp_shard")
+
+
+class NDParallelStrategy(ParallelStrategy):
+    """N-D parallel training over one ``DeviceMesh``: FSDP2 (ZeRO-3/ZeRO-2), HSDP, ...
+
+    Args:
+        dp_replicate, dp_shard, tp, pp, ep, cp: degrees (see ``ParallelDims``); ``dp_shard=-1``
+            takes whatever the world size leaves. tp/pp/ep/cp > 1 are not supported yet.
+        reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (parameters stay gathered from forward
+            to backward); int: reshard to groups of that many ranks.
+        mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision
+            (``bf16-*``: bf16 compute and all-gather, fp32 gradient reduction; ``32-true``: none).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        async_save: checkpoints are written in the background (used by ``DCPCheckpointMixin``).
+        compile: ``torch.compile`` each block (True, or a dict of options for ``apply_compile``).
+        empty_init: run ``configure_model`` on the meta device and materialise after sharding
+            (see ``_materialize``). Default False builds real weights, identical to a
+            single-process run with the same seed.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            as for every Lightning ``ParallelStrategy`` (normally filled in by the Trainer).
+        process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
+        timeout: for collectives.
+    """
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        cp: int = 1,
+        reshard_after_forward: Union[bool, int] = True,
+        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        cpu_offload: bool = False,
+        async_save: bool = False,
+        compile: Union[bool, dict[str, Any]] = False,
+        empty_init: bool = False,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "ep": ep, "cp": cp}
+        for name, value in self._degrees.items():
+            if value != 1 and name not in _SUPPORTED_DEGREES:
+                raise ValueError(
+                    f"{type(self).__name__}({name}={value}) is not supported yet: only "
+                    f"{' / '.join(_SUPPORTED_DEGREES)} (FSDP2 / HSDP) are implemented so far; set {name}=1")
+        if isinstance(reshard_after_forward, bool) or (isinstance(reshard_after_forward, int)
+                                                       and reshard_after_forward > 1):
+            self.reshard_after_forward = reshard_after_forward
+        else:
+            raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: use True (ZeRO-3), False "
+                             f"(ZeRO-2) or an int > 1 (reshard to groups of that many ranks)")
+        self.mp_policy = mp_policy
+        self.cpu_offload = cpu_offload
+        self.async_save = async_save
+        self.empty_init = empty_init
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self._parallel_dims: Optional[ParallelDims] = None
+        self._device_mesh = None
+        # True when no submodule owns all parameters, so FSDP's root is the LightningModule itself
+        # and its *_step methods must be entered through __call__ for FSDP's hooks to run.
+        self._root_is_lightning_module = False
+
+        self.transforms = TransformRegistry()
+        """Model transforms by stage; callbacks register theirs in their ``setup`` hook."""
+        if compile:
+            self.transforms.register("compile", _compile_transform({} if compile is True else dict(compile)),
+                                     name="compile_blocks")
+        self.transforms.register("fsdp", self._fsdp_transform, name="fsdp2")
+
+    # -- degrees and mesh -------------------------------------------------------------------
+
+    def _make_parallel_dims(self, world_size: int) -> ParallelDims:
+        """The validated degrees for ``world_size`` ranks (subclasses choose them differently)."""
+        return ParallelDims(**self._degrees, world_size=world_size)
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._parallel_dims is None:
+            raise RuntimeError(f"{type(self).__name__}.parallel_dims is known once the Trainer has set "
+                               f"the world size (Trainer construction)")
+        return self._parallel_dims
+
+    @property
+    def device_mesh(self):
+        """The world ``DeviceMesh`` (dims ``pp, dp_replicate, dp_shard, cp, tp``); derived meshes via
+        ``parallel_dims.get_mesh(name)``."""
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists only after setup_environment (process group init)")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning's connectors: enables the distributed sampler and ``self.log(sync_dist=True)``.
+        return True
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Data-parallel rank, not the global one: TP/PP/CP ranks of one replica read the same samples.
+        dims = self.parallel_dims
+        return {"num_replicas": dims.dp_size, "rank": dims.dp_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded states can only be loaded into the already sharded model
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # Validate here, at Trainer construction, so a bad layout fails before processes are launched.
+        self._parallel_dims = self._make_parallel_dims(self.world_size)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()  # validates the degrees against the final world size, before the group
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if self._device_mesh is None:  # a second fit/validate with this strategy keeps its mesh
+            self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._device_mesh
+
+    # -- model setup ------------------------------------------------------------------------
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        empty = self.empty_init if empty_init is None else empty_init
+        with torch.device("meta") if empty else self.root_device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if not getattr(module, "_disttrain_parallelized", False):  # a later validate/test reuses it
+            self._parallelize(module)
+            module._disttrain_parallelized = True
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            # Fresh optimizers over the sharded parameters (also after a previous stage's setup).
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._install_grad_clipping()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: pl.LightningModule) -> None:
+        """Precision conversion, every transform in STAGES order, materialisation: in that order."""
+        dims = self.parallel_dims
+        config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
+        if config is not None:
+            dims.validate_for_model(config)
+        self.precision_plugin.convert_module(module)  # e.g. bf16-true: cast before sharding
+        on_meta = _has_meta_tensors(module)
+        # DTensor's RNG can initialise a sharded tensor as the shard of one full random tensor only
+        # on CUDA-like meshes; elsewhere the model is materialised whole first, then sharded.
+        sharded_init = on_meta and _dtensor_rng_supported(self.device_mesh)
+        if on_meta and not sharded_init:
+            self._materialize(module)
+        elif not on_meta:
+            self._sync_initial_weights(module)
+        precision = getattr(self.precision_plugin, "precision", None)
+        ctx = TransformContext(device=self.root_device, mesh=self.device_mesh, dims=dims,
+                               precision=None if precision is None else str(precision))
+        self.transforms.apply_all(module, ctx)
+        if sharded_init:
+            self._materialize(module)
+        self.model_to_device()
+
+    def _fsdp_transform(self, module: nn.Module, ctx: TransformContext) -> None:
+        """The ``fsdp`` stage: ``fully_shard`` per block and plan group, then the root."""
+        root = fsdp_root(module)
+        self._root_is_lightning_module = root is module
+        mp_policy = self.mp_policy or mp_policy_for_precision(ctx.precision)
+        apply_fsdp(root, find_parallel_plan(module), self.parallel_dims.get_mesh("fsdp"), mp_policy=mp_policy,
+                   reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload)
+
+    def _materialize(self, module: nn.Module) -> None:
+        """Allocate meta tensors on the device and initialise them: ``init_weights()`` when the
+        module has one (GPTModule does), else every submodule's ``reset_parameters()``.
+
+        Before sharding (CPU meshes) every rank initialises the full model from the same RNG state,
+        so with a seed the result equals a single-process meta build followed by ``init_weights``;
+        rank 0's weights are broadcast anyway so that replicas agree even without a seed. After
+        sharding (CUDA) each rank initialises its shards through DTensor's distributed RNG.
+        """
+        module.to_empty(device=self.root_device)
+        init = getattr(module, "init_weights", None)
+        if callable(init):
+            init()
+        else:
+            for sub in module.modules():
+                if callable(reset := getattr(sub, "reset_parameters", None)):
+                    reset()
+        if not any(_is_dtensor(t) for t in itertools.chain(module.parameters(), module.buffers())):
+            self._sync_initial_weights(module)
+
+    def _sync_initial_weights(self, module: nn.Module) -> None:
+        # Like DDP: rank 0's initial weights win. Unseeded ranks would otherwise build different
+        # models, and HSDP replicas (or TP ranks) would train different weights without noticing.
+        if not _distributed_is_initialized() or self.world_size == 1:
+            return
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            dist.broadcast(t.detach(), src=0)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _install_grad_clipping(self) -> None:
+        # Lightning clips through ``precision_plugin.clip_grad_by_norm`` (after unscaling, for
+        # 16-mixed). Replacing that one method on this run's plugin keeps every precision's logic
+        # and swaps only the norm: ours groups gradients by mesh and sums across pipeline stages.
+        if self._precision_plugin is None:
+            self._precision_plugin = Precision()
+        plugin = self._precision_plugin
+        pp_mesh = self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None
+
+        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val, pp_mesh=pp_mesh)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    # -- training ---------------------------------------------------------------------------
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this for every micro-batch but the last of an accumulation window
+        (``_block_parallel_sync_behavior`` in the automatic loop; ``toggle_model`` in manual
+        optimization). FSDP then skips the reduce-scatter / all-reduce; the last micro-batch's
+        backward reduces the accumulated sum once."""
+        module = self.lightning_module
+        set_gradient_sync(module, False)
+        try:
+            yield None
+        finally:
+            set_gradient_sync(module, True)
+
+    def _step(self, method: str, context, *args: Any, **kwargs: Any) -> Any:
+        with context():
+            if self._root_is_lightning_module:
+                # FSDP's root hooks fire in __call__: enter *_step through the module's forward.
+                return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
+            return getattr(self.lightning_module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    # -- collectives ------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        objs = [obj]
+        dist.broadcast_object_list(objs, src, group=_group.WORLD)
+        return objs[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        # Not Strategy.teardown: moving the sharded module to the CPU would break a later
+        # trainer.validate/test with the same module (ModelParallelStrategy does the same).
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+def _compile_transform(options: dict[str, Any]):
+    def compile_blocks(module: nn.Module, ctx: TransformContext) -> None:
+        # Imported lazily: compile.py belongs to the compile issue and pulls in torch._dynamo.
+        from lightning_disttrain.parallel.compile import apply_compile
+
+        apply_compile(find_parallel_plan(module).blocks, **options)
+
+    return compile_blocks
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def _dtensor_rng_supported(mesh) -> bool:
+    import warnings
+
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    with warnings.catch_warnings():  # it warns for every unsupported mesh; a False is all we need
+        warnings.simplefilter("ignore")
+        return is_rng_supported_mesh(mesh)
