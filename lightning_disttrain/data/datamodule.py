@@ -185,6 +185,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self._require_setup()
+        self._check_model_vocab()
         dp_size, dp_rank = self.data_parallel
         global_batch = self.batch_size * dp_size
         self._check_corpus_fits(global_batch)
@@ -197,6 +198,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader | list:
         self._require_setup()
+        self._check_model_vocab()
         n_batches = self._val_batches_available()
         if n_batches == 0:
             return []
@@ -315,16 +317,24 @@ class TokenDataModule(L.LightningDataModule):
                 f"seq_len={self.seq_len} exceeds the model's block_size={block_size}; set the datamodule's "
                 f"seq_len <= {block_size} or build the model with a larger block_size."
             )
-        model_vocab = getattr(config, "vocab_size", None) or getattr(module, "vocab_size", None)
-        if isinstance(model_vocab, int) and model_vocab < self.vocab_size:
-            raise ValueError(
-                f"the model's vocab_size={model_vocab} is smaller than tokenizer {self.tokenizer_name!r}'s "
-                f"n_vocab={self.vocab_size}; build the model with vocab_size >= {self.vocab_size}."
-            )
         if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
             raise ValueError(
                 "TokenDataModule counts consumed samples in on_before_batch_transfer, which Lightning skips when "
                 "training_step takes `dataloader_iter`; take `batch` as training_step's argument instead."
+            )
+
+
+    def _check_model_vocab(self) -> None:
+        # Checked when the loaders are requested, not in `setup`: Lightning calls the datamodule's
+        # setup before the module's configure_model, where a GPTModule adopts our vocab_size.
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        if module is None:
+            return
+        model_vocab = getattr(getattr(module, "config", None), "vocab_size", None) or getattr(module, "vocab_size", None)
+        if isinstance(model_vocab, int) and model_vocab < self.vocab_size:
+            raise ValueError(
+                f"the model's vocab_size={model_vocab} is smaller than tokenizer {self.tokenizer_name!r}'s "
+                f"n_vocab={self.vocab_size}; build the model with vocab_size >= {self.vocab_size}."
             )
 
 

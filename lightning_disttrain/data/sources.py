@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .embedded import embedded_fingerprint
-from .prepare import PREPARE_VERSION, default_name, prepare, resolve_local_files
+from .documents import default_name, resolve_local_files
+from .prepare import PREPARE_VERSION, prepare
 from .tokenizer import canonical_tokenizer_name
 
 CACHE_ENV = "LIGHTNING_DISTTRAIN_CACHE"

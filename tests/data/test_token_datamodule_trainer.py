@@ -162,6 +162,16 @@ def test_model_vocab_smaller_than_tokenizer(shards):
         fit(shards, 1, model=Recorder(block_size=8, vocab_size=100))
 
 
+def test_model_that_adopts_the_data_vocab_in_configure_model(shards):
+    # GPTModule takes the datamodule's vocab_size in configure_model, after the datamodule's setup.
+    class Adopting(Recorder):
+        def configure_model(self):
+            self.config.vocab_size = self.trainer.datamodule.vocab_size
+
+    model, _, _ = fit(shards, 1, model=Adopting(block_size=8, vocab_size=100))
+    assert model.config.vocab_size == 257
+
+
 def test_training_step_with_dataloader_iter_is_refused(shards):
     class IterStep(Recorder):
         def training_step(self, dataloader_iter):
@@ -169,3 +179,51 @@ def test_training_step_with_dataloader_iter_is_refused(shards):
 
     with pytest.raises(ValueError, match="dataloader_iter"):
         fit(shards, 1, model=IterStep())
+
+
+class RankRecorder(Recorder):
+    """Saves the batches each process trains on, since DDP's processes do not share memory."""
+
+    def __init__(self, out_dir):
+        super().__init__()
+        self.out_dir = str(out_dir)
+
+    def on_train_end(self):
+        torch.save({"batches": self.train_batches, "dp": self.trainer.datamodule.data_parallel,
+                    "consumed": self.trainer.datamodule.consumed_samples},
+                   f"{self.out_dir}/rank{self.global_rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_real_ddp_two_processes_then_resume_on_one(shards, tmp_path):
+    """Two CPU processes under Lightning's DDP: each rank gets its slice, the global sequence is the
+    single-process one, and a checkpoint from 2 ranks resumes on 1 with the next samples."""
+    dm_kwargs = {"tokenizer": "bytes", "seq_len": SEQ, "batch_size": 4, "val_batches": 0}
+    # The checkpoint is written inside the DDP processes: after ddp_fork the parent's trainer has
+    # no loop state to save.
+    every = ModelCheckpoint(dirpath=tmp_path, filename="ddp", every_n_train_steps=4, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=4, limit_val_batches=0,
+                        callbacks=[every], logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(RankRecorder(tmp_path), datamodule=TokenDataModule(str(shards), **dm_kwargs))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [r["dp"] for r in ranks] == [(2, 0), (2, 1)] and all(r["consumed"] == 32 for r in ranks)
+    ddp_samples = torch.cat([torch.cat([a, b]) for a, b in zip(ranks[0]["batches"], ranks[1]["batches"])])
+
+    full, _, _ = fit(shards, 16)  # one process, batch 4: the same global sample sequence
+    assert torch.equal(ddp_samples, torch.cat(full.train_batches)[:32])
+    resumed, dm, _ = fit(shards, 8, ckpt_path=tmp_path / "ddp.ckpt")  # global_step 4 -> 8 on one rank
+    assert dm.consumed_samples == 32 + 16
+    assert torch.equal(torch.cat(resumed.train_batches), torch.cat(full.train_batches)[32:48])
+
+
+def test_with_the_real_gpt_module(shards):
+    from lightning_disttrain.module import GPTModule
+
+    overrides = {"n_layer": 1, "n_head": 2, "n_kv_head": 2, "n_embd": 16, "block_size": SEQ}
+    with pytest.raises(ValueError, match=r"seq_len=16 exceeds the model's block_size=8"):
+        fit(shards, 1, model=GPTModule("tiny", model_overrides=overrides), seq_len=16)
+    module = GPTModule("tiny", model_overrides=overrides, max_steps=3)
+    _, dm, trainer = fit(shards, 3, model=module)
+    assert trainer.global_step == 3 and module.config.vocab_size == dm.vocab_size == 257
+    assert dm.consumed_samples == 12
