@@ -7,6 +7,8 @@ Lightning's clipping hook.
 
 from __future__ import annotations
 
+import itertools
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -109,6 +111,27 @@ def apply_fsdp(
     # The root: None lets FSDP keep the root's parameters after forward (its head is the first
     # thing backward needs), the same reasoning as for the last block.
     fully_shard(module, reshard_after_forward=None, **common)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def dtensor_rng_supported(mesh) -> bool:
+    """Whether DTensor's random ops initialise a shard as the slice of one full random tensor on
+    this mesh (CUDA-like devices). Elsewhere each rank would draw its shard from its local RNG."""
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    with warnings.catch_warnings():  # it warns on every unsupported mesh; the answer is enough
+        warnings.simplefilter("ignore")
+        return is_rng_supported_mesh(mesh)
+
+
+@torch.no_grad()
+def broadcast_module_(module: nn.Module, src: int = 0, group=None) -> None:
+    """Overwrite every parameter and buffer with rank ``src``'s (before sharding: full tensors)."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        dist.broadcast(t.detach(), src=src, group=group)
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:

@@ -55,3 +55,20 @@ def find_blocks(module: nn.Module) -> nn.ModuleList:
             f"{type(module).__name__} has no nn.ModuleList of identical blocks to wrap; keep the "
             f"repeated layers in one nn.ModuleList or define parallel_plan() returning a ParallelPlan")
     return best
+
+
+def init_weights(module: nn.Module) -> None:
+    """(Re)initialise ``module`` in place, e.g. after ``to_empty``: its own ``init_weights()`` when
+    it has one (GPTModule, GPT), else ``reset_parameters()`` of every submodule that has it.
+
+    Buffers that no ``reset_parameters`` recomputes stay uninitialised in the fallback: models
+    with such buffers (RoPE tables) should define ``init_weights``.
+    """
+    init = getattr(module, "init_weights", None)
+    if callable(init):
+        init()
+        return
+    for sub in module.modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()

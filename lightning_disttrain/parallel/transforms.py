@@ -84,3 +84,17 @@ class TransformRegistry:
 
     def _ordered(self) -> list[_Entry]:
         return sorted(self._entries, key=lambda e: STAGES.index(e.stage))
+
+
+def compile_transform(options: dict[str, Any] | None = None) -> Transform:
+    """The ``compile`` stage as a transform: ``apply_compile`` on the module's plan blocks."""
+    options = dict(options or {})
+
+    def compile_blocks(module: nn.Module, ctx: TransformContext) -> None:
+        # Imported when run: compile.py pulls in torch._dynamo, which most runs never need.
+        from lightning_disttrain.parallel.compile import apply_compile
+        from lightning_disttrain.parallel.plan import find_parallel_plan
+
+        apply_compile(find_parallel_plan(module).blocks, **options)
+
+    return compile_blocks

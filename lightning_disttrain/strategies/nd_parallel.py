@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -58,40 +59,24 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_disttrain.parallel.fsdp import (
     apply_fsdp,
+    broadcast_module_,
     clip_grad_norm_,
+    dtensor_rng_supported,
     fsdp_root,
+    has_meta_tensors,
     mp_policy_for_precision,
     set_gradient_sync,
 )
 from lightning_disttrain.parallel.mesh import ParallelDims
-from lightning_disttrain.parallel.plan import find_parallel_plan
-from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
+from lightning_disttrain.parallel.plan import find_parallel_plan, init_weights
+from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry, compile_transform
 
 # Degrees whose transforms exist. The TP / PP / EP / CP issues add theirs here.
 _SUPPORTED_DEGREES = ("dp_replicate", "dp_shard")
 
 
-class NDParallelStrategy(ParallelStrategy):
-    """N-D parallel training over one ``DeviceMesh``: FSDP2 (ZeRO-3/ZeRO-2), HSDP, ...
-
-    Args:
-        dp_replicate, dp_shard, tp, pp, ep, cp: degrees (see ``ParallelDims``); ``dp_shard=-1``
-            takes whatever the world size leaves. tp/pp/ep/cp > 1 are not supported yet.
-        reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (parameters stay gathered from forward
-            to backward); int: reshard to groups of that many ranks.
-        mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision
-            (``bf16-*``: bf16 compute and all-gather, fp32 gradient reduction; ``32-true``: none).
-        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
-        async_save: checkpoints are written in the background (used by ``DCPCheckpointMixin``).
-        compile: ``torch.compile`` each block (True, or a dict of options for ``apply_compile``).
-        empty_init: run ``configure_model`` on the meta device and materialise after sharding
-            (see ``_materialize``). Default False builds real weights, identical to a
-            single-process run with the same seed.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
-            as for every Lightning ``ParallelStrategy`` (normally filled in by the Trainer).
-        process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
-        timeout: for collectives.
-    """
+class _NDParallelBase(ParallelStrategy):
+    """Everything of ``NDParallelStrategy`` but checkpointing (see there)."""
 
     def __init__(
         self,
@@ -146,7 +131,7 @@ class NDParallelStrategy(ParallelStrategy):
         self.transforms = TransformRegistry()
         """Model transforms by stage; callbacks register theirs in their ``setup`` hook."""
         if compile:
-            self.transforms.register("compile", _compile_transform({} if compile is True else dict(compile)),
+            self.transforms.register("compile", compile_transform({} if compile is True else dict(compile)),
                                      name="compile_blocks")
         self.transforms.register("fsdp", self._fsdp_transform, name="fsdp2")
 
@@ -267,10 +252,10 @@ class NDParallelStrategy(ParallelStrategy):
         if config is not None:
             dims.validate_for_model(config)
         self.precision_plugin.convert_module(module)  # e.g. bf16-true: cast before sharding
-        on_meta = _has_meta_tensors(module)
+        on_meta = has_meta_tensors(module)
         # DTensor's RNG can initialise a sharded tensor as the shard of one full random tensor only
         # on CUDA-like meshes; elsewhere the model is materialised whole first, then sharded.
-        sharded_init = on_meta and _dtensor_rng_supported(self.device_mesh)
+        sharded_init = on_meta and dtensor_rng_supported(self.device_mesh)
         if on_meta and not sharded_init:
             self._materialize(module)
         elif not on_meta:
@@ -301,23 +286,15 @@ class NDParallelStrategy(ParallelStrategy):
         sharding (CUDA) each rank initialises its shards through DTensor's distributed RNG.
         """
         module.to_empty(device=self.root_device)
-        init = getattr(module, "init_weights", None)
-        if callable(init):
-            init()
-        else:
-            for sub in module.modules():
-                if callable(reset := getattr(sub, "reset_parameters", None)):
-                    reset()
-        if not any(_is_dtensor(t) for t in itertools.chain(module.parameters(), module.buffers())):
+        init_weights(module)
+        if not any(isinstance(t, DTensor) for t in itertools.chain(module.parameters(), module.buffers())):
             self._sync_initial_weights(module)
 
     def _sync_initial_weights(self, module: nn.Module) -> None:
         # Like DDP: rank 0's initial weights win. Unseeded ranks would otherwise build different
         # models, and HSDP replicas (or TP ranks) would train different weights without noticing.
-        if not _distributed_is_initialized() or self.world_size == 1:
-            return
-        for t in itertools.chain(module.parameters(), module.buffers()):
-            dist.broadcast(t.detach(), src=0)
+        if _distributed_is_initialized() and self.world_size > 1:
+            broadcast_module_(module, src=0)
 
     @override
     def model_to_device(self) -> None:
@@ -413,31 +390,24 @@ class NDParallelStrategy(ParallelStrategy):
         self.accelerator.teardown()
 
 
-def _compile_transform(options: dict[str, Any]):
-    def compile_blocks(module: nn.Module, ctx: TransformContext) -> None:
-        # Imported lazily: compile.py belongs to the compile issue and pulls in torch._dynamo.
-        from lightning_disttrain.parallel.compile import apply_compile
+class NDParallelStrategy(_NDParallelBase):
+    """N-D parallel training over one ``DeviceMesh``: FSDP2 (ZeRO-3/ZeRO-2), HSDP, ...
 
-        apply_compile(find_parallel_plan(module).blocks, **options)
-
-    return compile_blocks
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def _has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-
-
-def _dtensor_rng_supported(mesh) -> bool:
-    import warnings
-
-    from torch.distributed.tensor._random import is_rng_supported_mesh
-
-    with warnings.catch_warnings():  # it warns for every unsupported mesh; a False is all we need
-        warnings.simplefilter("ignore")
-        return is_rng_supported_mesh(mesh)
+    Args:
+        dp_replicate, dp_shard, tp, pp, ep, cp: degrees (see ``ParallelDims``); ``dp_shard=-1``
+            takes whatever the world size leaves. tp/pp/ep/cp > 1 are not supported yet.
+        reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (parameters stay gathered from forward
+            to backward); int: reshard to groups of that many ranks.
+        mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision
+            (``bf16-*``: bf16 compute and all-gather, fp32 gradient reduction; ``32-true``: none).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        async_save: checkpoints are written in the background (used by ``DCPCheckpointMixin``).
+        compile: ``torch.compile`` each block (True, or a dict of options for ``apply_compile``).
+        empty_init: run ``configure_model`` on the meta device and materialise after sharding
+            (see ``_materialize``). Default False builds real weights, identical to a
+            single-process run with the same seed.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            as for every Lightning ``ParallelStrategy`` (normally filled in by the Trainer).
+        process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
+        timeout: for collectives.
+    """

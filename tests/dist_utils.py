@@ -1,0 +1,93 @@
+"""Helpers for multi-process CPU tests: run a script on N gloo ranks, read what each rank wrote.
+
+Two ways to start ranks:
+- ``run_lightning_script``: start the script once; ``L.Trainer(devices=N)`` inside it re-launches
+  it N-1 times (Lightning's subprocess launcher), exactly as a user's run does.
+- ``run_torch_script``: start N copies with the env:// variables torchrun would set (RANK,
+  WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), for plain-torch tests; no torchrun agent process.
+
+Scripts write one JSON file per rank (``rank_json``); a test reads them back with ``read_ranks``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on few cores: one thread each
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "PL_GLOBAL_SEED"):
+        env.pop(key, None)  # a parent's launcher variables would make Lightning think it is a child
+    env.update(extra or {})
+    return env
+
+
+def _check(procs: list[tuple[subprocess.Popen, str]], timeout: float) -> None:
+    failures = []
+    for proc, name in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                p.kill()
+            out, _ = proc.communicate()
+            failures.append(f"{name}: timed out after {timeout}s\n{out[-6000:]}")
+            continue
+        if proc.returncode != 0:
+            failures.append(f"{name}: exit code {proc.returncode}\n{out[-6000:]}")
+    if failures:
+        raise AssertionError("\n\n".join(failures))
+
+
+def run_lightning_script(script: Path, *args: str, timeout: float = 300) -> None:
+    """Run ``script`` (which builds ``L.Trainer(devices=N, ...)``); fail with its output if it fails."""
+    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], env=_env(), cwd=str(REPO),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _check([(proc, script.name)], timeout)
+
+
+def run_torch_script(script: Path, nprocs: int, *args: str, timeout: float = 300) -> None:
+    """Run ``nprocs`` ranks of a plain-torch script that calls ``init_process_group("gloo")``."""
+    port = str(free_port())
+    procs = []
+    for rank in range(nprocs):
+        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+        proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env, cwd=str(REPO),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append((proc, f"{script.name} rank {rank}"))
+    _check(procs, timeout)
+
+
+def rank_json(out_dir: str | Path, name: str, rank: int) -> Path:
+    return Path(out_dir) / f"{name}.rank{rank}.json"
+
+
+def write_rank_json(out_dir: str | Path, name: str, rank: int, data: dict) -> None:
+    path = rank_json(out_dir, name, rank)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def read_ranks(out_dir: str | Path, name: str, world_size: int) -> list[dict]:
+    """What each of ``world_size`` ranks wrote under ``name`` (fails naming the missing ranks)."""
+    paths = [rank_json(out_dir, name, r) for r in range(world_size)]
+    missing = [str(p) for p in paths if not p.exists()]
+    assert not missing, f"ranks wrote no result: {missing}"
+    return [json.loads(p.read_text()) for p in paths]
