@@ -1,0 +1,42 @@
+"""Checkpoints: sharded DCP directories with a sha256 manifest, resume discovery, retention, export.
+
+The strategy side (Lightning's save/load hooks) is ``lightning_disttrain.strategies.checkpointing.
+DCPCheckpointMixin``; everything here is usable without Lightning.
+"""
+
+from lightning_disttrain.checkpoint.consolidate import (
+    export_consolidated,
+    export_main,
+    load_consolidated,
+    load_consolidated_into,
+)
+from lightning_disttrain.checkpoint.dcp_io import META_NAME, CheckpointWriter, load_sharded, remove_checkpoint_path
+from lightning_disttrain.checkpoint.discovery import find_latest_checkpoint, list_checkpoints, prune_checkpoints
+from lightning_disttrain.checkpoint.manifest import (
+    MANIFEST_NAME,
+    CheckpointVerificationError,
+    IncompleteCheckpointError,
+    Manifest,
+    read_manifest,
+    verify_checkpoint,
+)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "META_NAME",
+    "CheckpointVerificationError",
+    "CheckpointWriter",
+    "IncompleteCheckpointError",
+    "Manifest",
+    "export_consolidated",
+    "export_main",
+    "find_latest_checkpoint",
+    "list_checkpoints",
+    "load_consolidated",
+    "load_consolidated_into",
+    "load_sharded",
+    "prune_checkpoints",
+    "read_manifest",
+    "remove_checkpoint_path",
+    "verify_checkpoint",
+]

@@ -1,0 +1,377 @@
+"""Writing and reading checkpoint directories with DCP, torch-only (no Lightning).
+
+Layout of one checkpoint directory::
+
+    step=000100.ckpt/
+      .metadata            DCP's index of every tensor shard (written by DCP's coordinator)
+      __0_0.distcp ...     DCP shard files, one per rank: model weights + optimizer state,
+                           under the keys "state_dict" and "optimizer_0", "optimizer_1", ...
+      meta.pt              everything else Lightning's dump_checkpoint gives (loops, schedulers,
+                           callbacks, hyper-parameters, data-module state, epoch/global_step);
+                           torch.save by rank 0. Same names as Lightning's ModelParallelStrategy.
+      rng/rank_00000.json  each rank's generator states (see ``rng``)
+      manifest.json        sha256 + size of each file above; written last, marks completion
+
+:class:`CheckpointWriter` owns the save side: at most one save in flight, an optional
+``dcp.async_save`` (state staged to CPU memory before it returns, written by a background thread),
+and the finalisation that follows the write: every rank hashes a slice of the files, rank 0 writes
+the manifest, everyone learns the outcome. All of its collectives run on a dedicated gloo group,
+because async writes run collectives from a background thread while training keeps using the
+default group (and because async_save needs a CPU backend even when training uses NCCL).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from lightning_disttrain.checkpoint import rng
+from lightning_disttrain.checkpoint.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    check_files,
+    hash_files,
+    list_files,
+    merge_entries,
+    raise_for_problems,
+    read_manifest,
+    warn_unlisted,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+META_NAME = "meta.pt"
+MODEL_KEY = "state_dict"
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+class Comm:
+    """Object collectives on one process group; a no-op world of one when not distributed."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+
+def new_checkpoint_group() -> dist.ProcessGroup | None:
+    """A gloo group over all ranks for checkpoint collectives (collective: call on every rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def remove_checkpoint_path(path: str | os.PathLike) -> None:
+    """Delete a checkpoint: a link is unlinked (never its target); a directory loses its manifest
+    first, so an interrupted delete leaves a directory that reads as incomplete, not as valid."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        (path / MANIFEST_NAME).unlink(missing_ok=True)
+        shutil.rmtree(path)
+
+
+def _prepare_directory(path: Path) -> None:
+    # Overwriting (Lightning's save_last=True reuses "last.ckpt"): never write through a link
+    # into the checkpoint it points at, and drop stale shards of an earlier save, which may
+    # come from a different world size.
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        remove_checkpoint_path(path)
+    path.mkdir(parents=True)
+
+
+@dataclass
+class _InFlight:
+    path: Path
+    future: Future
+
+
+@dataclass
+class CheckpointWriter:
+    """Saves checkpoint directories; one per strategy (or per training script).
+
+    ``save`` is collective. With ``async_save`` it returns once the state is staged in CPU
+    memory; the manifest follows when the write completes. ``wait`` blocks until then (and
+    raises if the write failed); call it before exiting (the strategy's teardown does).
+    """
+
+    async_save: bool = False
+    """Write with ``dcp.async_save`` from a background thread instead of blocking."""
+    group: dist.ProcessGroup | None = None
+    """Group for the checkpoint collectives; created on first use (a new gloo group)."""
+    _group_ready: bool = field(default=False, repr=False)
+    _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _in_flight: _InFlight | None = field(default=None, repr=False)
+    _deferred_removals: list[Path] = field(default_factory=list, repr=False)
+    _stager: Any = field(default=None, repr=False)
+
+    def comm(self) -> Comm:
+        if not self._group_ready:
+            self.group = self.group or new_checkpoint_group()
+            self._group_ready = True
+        return Comm(self.group)
+
+    @property
+    def in_flight(self) -> Path | None:
+        """The directory of the save still being written, if any."""
+        return self._in_flight.path if self._in_flight else None
+
+    def save(self, path: str | os.PathLike, state: dict[str, Any], meta: dict[str, Any] | None = None,
+             *, global_step: int | None = None, epoch: int | None = None,
+             extra: dict[str, Any] | None = None) -> None:
+        """Write ``state`` (DCP: tensors and DTensors, sharded) and ``meta`` (rank 0, torch.save)."""
+        rng_state = rng.capture_rng_state()  # first: nothing below may shift the streams first
+        self.wait()  # one save in flight at most; the next must not stage over a running write
+        comm = self.comm()
+        path = Path(path)
+        if comm.rank == 0:
+            _prepare_directory(path)
+        comm.barrier()
+        if comm.rank == 0 and meta is not None:
+            torch.save(meta, path / META_NAME)
+        rng.save_rank_rng(path, comm.rank, rng_state)
+        info = dict(world_size=comm.world_size, global_step=global_step, epoch=epoch,
+                    extra={**(extra or {}), "async_save": self.async_save})
+        if not self.async_save:
+            with _write_errors(path):
+                dcp.save(state, checkpoint_id=path, process_group=self.group)
+            self._finalize(path, None, info)
+            return
+        upload = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
+                                async_stager=self._get_stager())
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-finalize")
+        future = self._executor.submit(self._finalize, path, upload, info)
+        future.add_done_callback(_log_failure)  # say so now; `wait` re-raises it later
+        self._in_flight = _InFlight(path, future)
+
+    def _get_stager(self):
+        # On CPU, async_save's own stager (a plain copy, closed after each save) is right. With
+        # CUDA, keep one stager so its pinned CPU buffers are reused across saves; that is safe
+        # because `save` waits for the previous write before staging the next.
+        if self._stager is None and torch.cuda.is_available():
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=True))
+        return self._stager
+
+    def _finalize(self, path: Path, upload: Future | None, info: dict[str, Any]) -> Manifest:
+        if upload is not None:
+            # DCP propagates a failed write to every rank through its own collectives, so all
+            # ranks raise here together and none is left waiting below.
+            with _write_errors(path):
+                upload.result()
+        comm = self.comm()
+        files = comm.broadcast(list_files(path) if comm.rank == 0 else None)
+        try:
+            entries, error = hash_files(path, files[comm.rank::comm.world_size]), None
+        except OSError as err:
+            entries, error = {}, f"rank {comm.rank}: {err}"
+        parts = comm.all_gather((entries, error))
+        errors = [e for _, e in parts if e]
+        manifest = Manifest(files=merge_entries(p for p, _ in parts), **info)
+        if comm.rank == 0 and not errors:
+            try:
+                write_manifest(path, manifest)
+            except OSError as err:
+                errors.append(f"rank 0 writing {MANIFEST_NAME}: {err}")
+        errors = comm.broadcast(errors)
+        if errors:
+            raise RuntimeError(f"checkpoint {str(path)!r} was written but not completed (no "
+                               f"{MANIFEST_NAME}, so resume will skip it): {'; '.join(errors)}")
+        return manifest
+
+    def wait(self) -> Manifest | None:
+        """Block until the save in flight (if any) is complete; raise if it failed."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return None
+        try:
+            manifest = pending.future.result()
+        except BaseException:
+            # Keep the checkpoints that were due for removal: the one meant to replace them failed.
+            self._deferred_removals.clear()
+            raise
+        removals, self._deferred_removals = self._deferred_removals, []
+        if self.comm().rank == 0:
+            for old in removals:
+                remove_checkpoint_path(old)
+        return manifest
+
+    def remove(self, path: str | os.PathLike) -> None:
+        """Delete a checkpoint (rank 0 does the deleting). While a save is in flight, deletion waits
+        until that save is complete, so the number of complete checkpoints never drops below the
+        number that retention keeps (ModelCheckpoint deletes the old one right after starting the new)."""
+        path = Path(path)
+        if self._in_flight is not None:
+            if os.path.abspath(path) == os.path.abspath(self._in_flight.path):
+                self.wait()
+            else:
+                self._deferred_removals.append(path)
+                return
+        if self.comm().rank == 0:
+            remove_checkpoint_path(path)
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the thread and staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+
+@contextmanager
+def _write_errors(path: Path):
+    # DCP's CheckpointException derives from BaseException, which `except Exception` (Lightning's
+    # and most user code) lets through; re-raise it as the RuntimeError it is.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        raise RuntimeError(f"writing checkpoint {str(path)!r} failed (no {MANIFEST_NAME} written, so "
+                           f"resume will skip it): {err}") from err
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("async checkpoint save failed: %s", future.exception())
+
+
+# ---- reading --------------------------------------------------------------------------------
+
+
+def verify_distributed(path: str | os.PathLike, comm: Comm) -> Manifest:
+    """Verify a checkpoint with the hashing split across ranks; every rank raises the same error."""
+    path = Path(path)
+    try:
+        manifest, failure = (read_manifest(path), None) if comm.rank == 0 else (None, None)
+    except ValueError as err:  # CheckpointVerificationError: re-raised identically on every rank
+        manifest, failure = None, (type(err), str(err.path), err.reason)
+    manifest, failure = comm.broadcast((manifest, failure))
+    if failure is not None:
+        cls, bad, reason = failure
+        raise cls(bad, reason)
+    files = sorted(manifest.files)
+    problems = check_files(path, manifest, files[comm.rank::comm.world_size])
+    raise_for_problems(path, [p for part in comm.all_gather(problems) for p in part])
+    if comm.rank == 0:
+        warn_unlisted(path, manifest)
+    return manifest
+
+
+def saved_keys(path: str | os.PathLike) -> set[str]:
+    """Top-level keys DCP holds in ``path`` ("state_dict", "optimizer_0", ...)."""
+    metadata = FileSystemReader(path).read_metadata()
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def load_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
+    meta_path = Path(path) / META_NAME
+    if not meta_path.is_file():
+        return {}
+    try:
+        return torch.load(meta_path, map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # torch raises UnpicklingError subclasses and plain RuntimeErrors here
+        if not weights_only:
+            raise
+        raise ValueError(
+            f"{str(meta_path)!r} holds objects torch.load(weights_only=True) refuses ({err}). If you "
+            f"trust this checkpoint, set `strategy.checkpoint_weights_only = False` (or pass "
+            f"weights_only=False) to unpickle it fully") from err
+
+
+def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: list[list[torch.optim.Optimizer]],
+                 comm: Comm, strict: bool = True) -> None:
+    """Load model and optimizer state from ``path`` into live (sharded) objects, resharding as
+    needed: each rank reads exactly the pieces its current shards cover, whatever world size wrote them.
+
+    ``optimizers``: one entry per saved optimizer slot; an entry is the list of torch optimizers
+    that were saved together (a ``HybridOptimizer``'s parts).
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    keys = saved_keys(path)
+    if MODEL_KEY not in keys:
+        raise ValueError(f"checkpoint {str(path)!r} holds no model state (keys: {sorted(keys)}); "
+                         f"pass a checkpoint saved by trainer.save_checkpoint under a lightning-disttrain strategy")
+    model_state = {MODEL_KEY: get_model_state_dict(module)}
+    # strict=False (LightningModule.strict_loading) lets keys missing from the checkpoint keep
+    # their current values instead of failing the load.
+    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    dcp.load(model_state, checkpoint_id=path, process_group=comm.group, planner=planner)
+    set_model_state_dict(module, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
+
+    saved_optimizers = sorted(k for k in keys if k.startswith("optimizer_"))
+    if optimizers and len(saved_optimizers) != len(optimizers):
+        raise ValueError(f"checkpoint {str(path)!r} holds {len(saved_optimizers)} optimizer state(s), "
+                         f"this run configures {len(optimizers)}; return the same optimizers from "
+                         f"configure_optimizers as the run that saved it")
+    for index, parts in enumerate(optimizers):
+        key = optimizer_key(index)
+        optim_state = {key: get_optimizer_state_dict(module, parts)}
+        dcp.load(optim_state, checkpoint_id=path, process_group=comm.group)
+        set_optimizer_state_dict(module, parts, optim_state_dict=optim_state[key])
+
+
+def unwrap_optimizer(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind one Lightning optimizer slot.
+
+    Unwraps ``LightningOptimizer`` and splits a ``HybridOptimizer`` (anything with an
+    ``.optimizers`` list) into its parts, which DCP's state-dict helpers take as a list.
+    """
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    parts = getattr(optimizer, "optimizers", None)
+    if isinstance(parts, (list, tuple)) and parts:
+        return list(parts)
+    return [optimizer]

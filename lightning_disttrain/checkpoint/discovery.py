@@ -1,0 +1,137 @@
+"""Finding the checkpoint to resume from, and pruning old ones.
+
+A directory of checkpoints (a ``ModelCheckpoint`` dirpath) may end in a checkpoint that never
+completed: the job died while writing, or while an async write was still running. Resume
+discovery walks the checkpoints newest first and takes the first that verifies, warning about
+each one it skips and why. "Newest" is the time the manifest says the checkpoint completed; a
+checkpoint without a manifest is dated by its newest file, so that it still counts as the newest
+(and is reported) when it is the one that was being written.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_disttrain.checkpoint.manifest import (
+    MANIFEST_NAME,
+    CheckpointVerificationError,
+    Manifest,
+    read_manifest,
+    verify_checkpoint,
+)
+
+# Things a checkpoint directory holds at some stage of being written; a directory with none of
+# them (and not named *.ckpt) is not ours and is left alone.
+_MARKERS = (MANIFEST_NAME, ".metadata", "meta.pt", "rng")
+
+
+@dataclass
+class Candidate:
+    """A directory that is, or was becoming, a checkpoint."""
+
+    path: Path
+    """As found in the parent directory (may be a link such as ``last.ckpt``)."""
+    resolved: Path
+    """The real directory."""
+    complete: bool
+    """Whether a manifest is present (its files are not verified here)."""
+    timestamp: float
+    """Completion time from the manifest; else the newest file's modification time."""
+    global_step: int | None = None
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path.suffix == ".ckpt" or any((path / m).exists() for m in _MARKERS))
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = path.stat().st_mtime
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                newest = max(newest, (Path(dirpath) / name).stat().st_mtime)
+            except OSError:  # deleted under us
+                pass
+    return newest
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Candidate]:
+    """Checkpoint directories directly inside ``directory``, newest first, links folded into targets."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found: dict[Path, Candidate] = {}
+    for entry in sorted(root.iterdir()):
+        if not _looks_like_checkpoint(entry):
+            continue
+        resolved = entry.resolve()
+        if resolved in found and not entry.is_symlink():
+            found[resolved].path = entry  # report the real name, not the link's
+        if resolved in found:
+            continue
+        manifest: Manifest | None = None
+        try:
+            manifest = read_manifest(resolved)
+        except CheckpointVerificationError:
+            pass
+        if manifest is not None:
+            found[resolved] = Candidate(entry, resolved, True, manifest.created_unix, manifest.global_step)
+        else:
+            found[resolved] = Candidate(entry, resolved, False, _newest_mtime(resolved))
+    return sorted(found.values(), key=lambda c: (c.timestamp, c.global_step or -1), reverse=True)
+
+
+def find_latest_checkpoint(directory: str | os.PathLike, *,
+                           verify: Callable[[Path], object] = verify_checkpoint,
+                           candidates: list[Candidate] | None = None,
+                           report: bool = True) -> Path | None:
+    """The newest complete, verified checkpoint in ``directory``, or None if there is none.
+
+    Each newer checkpoint that fails verification (no manifest, a missing, truncated or corrupted
+    file) is skipped with a warning naming the reason. ``verify`` defaults to hashing every file
+    in this process; strategies pass a version that splits the hashing across ranks (and then
+    ``candidates`` listed once on rank 0, so that every rank walks the same list).
+    """
+    for cand in list_checkpoints(directory) if candidates is None else candidates:
+        try:
+            verify(cand.resolved)
+        except CheckpointVerificationError as err:
+            if report:
+                warnings.warn(f"skipping checkpoint {str(cand.path)!r} for resume: {err}", stacklevel=2)
+            continue
+        return cand.resolved
+    return None
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep_last: int,
+                      remove: Callable[[Path], None] | None = None) -> list[Path]:
+    """Delete all but the ``keep_last`` newest complete checkpoints in ``directory``; return what went.
+
+    Incomplete checkpoints older than the oldest kept one go too (they can never be resumed); newer
+    ones are left alone, since one may still be being written. Links (``last.ckpt``) are never
+    followed into deletion. Call it on one rank only.
+    """
+    from lightning_disttrain.checkpoint.dcp_io import remove_checkpoint_path
+
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}; keep at least 1 checkpoint (use 1 or more)")
+    remove = remove or remove_checkpoint_path
+    candidates = list_checkpoints(directory)
+    complete = [c for c in candidates if c.complete]
+    if len(complete) <= keep_last:
+        return []
+    oldest_kept = complete[keep_last - 1].timestamp
+    doomed = complete[keep_last:] + [c for c in candidates if not c.complete and c.timestamp < oldest_kept]
+    removed = []
+    for cand in doomed:
+        remove(cand.resolved)
+        removed.append(cand.resolved)
+    # A link left pointing at a deleted directory would make ckpt_path="last" find nothing.
+    for entry in Path(directory).iterdir():
+        if entry.is_symlink() and not entry.exists():
+            entry.unlink()
+    return removed

@@ -1,0 +1,207 @@
+"""The manifest: sha256 and size of every file of a checkpoint, written last.
+
+A checkpoint directory is complete exactly when ``manifest.json`` exists in it: global rank 0
+writes it (atomically: temp file, fsync, rename) only after every rank's shards and side files
+are on disk. Verification re-hashes the files and names the first one that is missing,
+truncated or altered, so a resume never silently starts from half a checkpoint.
+
+Hashing is split by file: :func:`hash_files` hashes any subset, so that in a distributed run
+each rank hashes ``files[rank::world_size]`` and rank 0 only merges (see ``dcp_io``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+"""Name of the manifest inside a checkpoint directory; its presence marks the checkpoint complete."""
+FORMAT = "lightning-disttrain/dcp"
+FORMAT_VERSION = 1
+_CHUNK = 8 << 20  # hashlib releases the GIL on large updates, so async hashing overlaps training
+
+
+class CheckpointVerificationError(ValueError):
+    """A checkpoint directory is incomplete or damaged; ``path`` is the offending file."""
+
+    def __init__(self, path: str | os.PathLike, reason: str, fix: str | None = None) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        fix = fix or ("re-save it, or resume from an earlier checkpoint "
+                      "(lightning_disttrain.checkpoint.find_latest_checkpoint(dir) picks the newest "
+                      "complete one)")
+        super().__init__(f"checkpoint file {str(self.path)!r} {reason}; {fix}")
+
+
+class IncompleteCheckpointError(CheckpointVerificationError):
+    """The manifest is missing: the save never finished (crash, or an async write still running)."""
+
+
+@dataclass
+class FileEntry:
+    sha256: str
+    """Hex digest of the whole file."""
+    bytes: int
+    """Size in bytes; checked before hashing so truncation is reported as such."""
+
+
+@dataclass
+class Manifest:
+    """What ``manifest.json`` holds. Paths are relative to the checkpoint directory, '/'-separated."""
+
+    files: dict[str, FileEntry]
+    """Every file of the checkpoint except the manifest itself."""
+    world_size: int = 1
+    """Ranks that wrote the checkpoint (and the number of per-rank RNG files)."""
+    global_step: int | None = None
+    """Trainer.global_step at save time (orders checkpoints for resume discovery)."""
+    epoch: int | None = None
+    created_unix: float = field(default_factory=time.time)
+    """When the checkpoint became complete."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form information: parallel degrees, torch/lightning versions, async or not."""
+    format: str = FORMAT
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        raw = json.loads(text)
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} manifest (format={raw.get('format')!r})")
+        raw["files"] = {k: FileEntry(**v) for k, v in raw["files"].items()}
+        return cls(**raw)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def list_files(ckpt_dir: str | os.PathLike) -> list[str]:
+    """Every regular file under ``ckpt_dir`` except the manifest (and its temp file), sorted."""
+    root = Path(ckpt_dir)
+    out = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            rel = (Path(dirpath) / name).relative_to(root).as_posix()
+            if not rel.startswith(MANIFEST_NAME):
+                out.append(rel)
+    return sorted(out)
+
+
+def hash_files(ckpt_dir: str | os.PathLike, rel_paths: Iterable[str]) -> dict[str, FileEntry]:
+    root = Path(ckpt_dir)
+    return {rel: FileEntry(sha256_file(root / rel), (root / rel).stat().st_size) for rel in rel_paths}
+
+
+def write_manifest(ckpt_dir: str | os.PathLike, manifest: Manifest) -> Path:
+    """Write ``manifest.json`` atomically: a reader sees either no manifest or the whole of it."""
+    root = Path(ckpt_dir)
+    final, tmp = root / MANIFEST_NAME, root / (MANIFEST_NAME + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    # fsync the directory too, or the rename itself may not survive a power loss.
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return final
+
+
+def read_manifest(ckpt_dir: str | os.PathLike) -> Manifest:
+    """The manifest of ``ckpt_dir``; ``IncompleteCheckpointError`` if there is none."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise CheckpointVerificationError(
+            root, "does not exist or is not a directory",
+            fix="pass the path of a checkpoint directory written by a lightning-disttrain strategy")
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise IncompleteCheckpointError(
+            path, "is missing, so the checkpoint is incomplete (the save was interrupted or an "
+                  "async save had not finished)")
+    try:
+        return Manifest.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointVerificationError(path, f"is unreadable ({err})") from err
+
+
+Problem = tuple[str, str]
+"""(relative path, what is wrong with it)."""
+
+
+def check_files(ckpt_dir: str | os.PathLike, manifest: Manifest, rel_paths: Iterable[str]) -> list[Problem]:
+    """Check ``rel_paths`` (a subset of the manifest's files) against it; the problems found.
+
+    Size first (cheap, and says "truncated" rather than "sha256 mismatch"), then the hash.
+    """
+    root = Path(ckpt_dir)
+    problems = []
+    for rel in rel_paths:
+        entry, path = manifest.files[rel], root / rel
+        if not path.is_file():
+            problems.append((rel, f"is missing (listed in {MANIFEST_NAME})"))
+        elif (size := path.stat().st_size) != entry.bytes:
+            kind = "truncated" if size < entry.bytes else "longer than recorded"
+            problems.append((rel, f"is {kind}: {size} bytes, {MANIFEST_NAME} says {entry.bytes}"))
+        elif sha256_file(path) != entry.sha256:
+            problems.append((rel, f"is corrupted: its sha256 differs from the one in {MANIFEST_NAME}"))
+    return problems
+
+
+def unlisted_files(ckpt_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """Files present on disk but not in the manifest (e.g. shards of a different save mixed in)."""
+    return [f for f in list_files(ckpt_dir) if f not in manifest.files]
+
+
+def raise_for_problems(ckpt_dir: str | os.PathLike, problems: Iterable[Problem]) -> None:
+    """Turn ``check_files`` output into one error naming the first bad file (and listing the rest)."""
+    problems = sorted(problems)
+    if not problems:
+        return
+    rel, reason = problems[0]
+    more = f" (also bad: {', '.join(p[0] for p in problems[1:])})" if len(problems) > 1 else ""
+    raise CheckpointVerificationError(Path(ckpt_dir) / rel, reason + more)
+
+
+def verify_checkpoint(ckpt_dir: str | os.PathLike) -> Manifest:
+    """Verify every file of a checkpoint in this process; return its manifest or raise.
+
+    Files on disk that the manifest does not list are reported with a warning, not an error:
+    DCP's ``.metadata`` never references them, so they cannot leak into a load. Distributed runs
+    split the hashing across ranks instead (``dcp_io.verify_distributed``).
+    """
+    manifest = read_manifest(ckpt_dir)
+    raise_for_problems(ckpt_dir, check_files(ckpt_dir, manifest, sorted(manifest.files)))
+    warn_unlisted(ckpt_dir, manifest)
+    return manifest
+
+
+def warn_unlisted(ckpt_dir: str | os.PathLike, manifest: Manifest) -> None:
+    if extra := unlisted_files(ckpt_dir, manifest):
+        warnings.warn(f"checkpoint {str(ckpt_dir)!r} holds files its {MANIFEST_NAME} does not list "
+                      f"(ignored): {extra[:5]}{' ...' if len(extra) > 5 else ''}", stacklevel=3)
+
+
+def merge_entries(parts: Iterable[Mapping[str, FileEntry]]) -> dict[str, FileEntry]:
+    merged: dict[str, FileEntry] = {}
+    for part in parts:
+        merged.update(part)
+    return dict(sorted(merged.items()))

@@ -1,0 +1,224 @@
+"""DCPCheckpointMixin: Lightning's Strategy checkpoint methods on top of DCP directories.
+
+Mixed into the lightning-disttrain strategies first, ``class NDParallelStrategy(DCPCheckpointMixin,
+ParallelStrategy)``, so its methods take precedence and reach the strategy through ``super()``.
+It uses only what a Lightning ``ParallelStrategy`` has (``lightning_module``, ``optimizers``,
+``global_rank``, ``world_size``) plus an optional ``async_save`` flag and ``parallel_dims``.
+
+How Lightning drives it:
+
+- save: ``trainer.save_checkpoint`` → ``dump_checkpoint`` (calls ``lightning_module_state_dict``
+  and ``optimizer_state`` here: sharded DTensor state, no gathering) → ``save_checkpoint``, which
+  writes one directory (layout in ``lightning_disttrain.checkpoint.dcp_io``) on every rank.
+- restore: ``restore_checkpoint_after_setup`` is True, so ``load_checkpoint`` runs after the model
+  is sharded and the optimizers exist; it verifies the manifest, loads weights and optimizer state
+  in place (DCP reshards to the current world size) and returns the Lightning state, which
+  Lightning then restores itself (loops, schedulers, callbacks, the data module's position).
+  ``lightning_restore_optimizer`` is False: the optimizer is already loaded by then.
+- RNG: each rank's generators are restored just before the first training batch after resume
+  (``on_train_batch_start``), so nothing between loading and training (sanity validation,
+  building the data loaders) can shift the streams. Different world sizes: see ``checkpoint.rng``.
+- ``ckpt_path="last"``: Lightning picks ModelCheckpoint's ``last.ckpt``; when that name reaches
+  ``load_checkpoint`` it is replaced by the newest checkpoint in its directory that verifies,
+  with a warning for each newer one skipped (an interrupted or corrupted save).
+- async: with ``async_save`` the save returns once the state is copied to CPU memory; the manifest
+  is written when the background write is done. ``wait_for_checkpoint`` blocks for it; the next
+  save and ``teardown`` call it, so a finished ``fit`` never leaves a checkpoint half written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_disttrain.checkpoint import rng
+from lightning_disttrain.checkpoint.dcp_io import (
+    MODEL_KEY,
+    CheckpointWriter,
+    Comm,
+    load_meta,
+    load_sharded,
+    optimizer_key,
+    unwrap_optimizer,
+    verify_distributed,
+)
+from lightning_disttrain.checkpoint.discovery import find_latest_checkpoint, list_checkpoints
+
+_DEFAULT_LAST = re.compile(r"^last(-v\d+)?\.ckpt$")
+
+
+class DCPCheckpointMixin:
+    """Sharded, verified, resumable checkpoints for a Lightning ``ParallelStrategy``."""
+
+    checkpoint_verify: bool = True
+    """Check every file against the manifest before loading (a corrupted shard fails loudly)."""
+    checkpoint_weights_only: bool = True
+    """``torch.load(weights_only=...)`` for ``meta.pt`` when Lightning does not say; set False to
+    unpickle arbitrary objects saved in hyper-parameters or callback state (trusted files only)."""
+
+    # ---- what Lightning asks the strategy -----------------------------------------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Sharded state can only be loaded into a model that is already sharded, with optimizers.
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint has loaded it, resharded
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's sharded state dict (DTensors: each rank holds its shards; nothing gathered)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """One optimizer's sharded state, keyed by parameter name (so it reshards on load)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` (from ``dump_checkpoint``) as a DCP directory at ``filepath``."""
+        if storage_options is not None:
+            raise ValueError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: "
+                             f"checkpoints are DCP directories written by every rank; drop storage_options")
+        writer = self._checkpoint_writer()
+        writer.async_save = bool(getattr(self, "async_save", False))
+        comm = writer.comm()
+        path = Path(comm.broadcast(str(filepath)))  # rank 0's name everywhere (names can hold times)
+        state = {MODEL_KEY: checkpoint["state_dict"]}
+        for index, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
+            state[optimizer_key(index)] = optim_state
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        writer.save(path, state, meta, global_step=checkpoint.get("global_step"),
+                    epoch=checkpoint.get("epoch"), extra=self._checkpoint_extra())
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Verify, then load weights and optimizer state in place; return the Lightning state."""
+        writer = self._checkpoint_writer()
+        writer.wait()  # never read a directory this process is still writing
+        comm = writer.comm()
+        path = self._resolve_checkpoint(Path(comm.broadcast(str(checkpoint_path))), comm)
+        meta = load_meta(path, self.checkpoint_weights_only if weights_only is None else weights_only)
+        module = self.lightning_module
+        optimizers = [unwrap_optimizer(o) for o in self.optimizers] if self._fitting() else []
+        load_sharded(path, module, optimizers, comm, strict=getattr(module, "strict_loading", True))
+        self._stage_rng_restore(path, comm)
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Nothing left to do: load_checkpoint loaded the weights, sharded, before returning.
+        pass
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # as above (and not called: lightning_restore_optimizer is False)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Delete a checkpoint directory (or a link to one, never its target); called by ModelCheckpoint
+        for retention (``save_top_k``). During an async save it waits for that save to complete."""
+        self._checkpoint_writer().remove(filepath)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the async save in flight (if any) has its manifest; raise if it failed."""
+        writer = getattr(self, "_dcp_writer", None)
+        if writer is not None:
+            writer.wait()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        pending = getattr(self, "_dcp_pending_rng", None)
+        if pending is not None:
+            self._dcp_pending_rng = None
+            rng.apply_rank_rng(*pending)
+        super().on_train_batch_start(batch, batch_idx)
+
+    def teardown(self) -> None:
+        writer = getattr(self, "_dcp_writer", None)
+        try:
+            if writer is not None:
+                writer.close()  # waits for the in-flight save and writes its manifest
+        finally:
+            super().teardown()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _checkpoint_writer(self) -> CheckpointWriter:
+        writer = getattr(self, "_dcp_writer", None)
+        if writer is None:
+            writer = self._dcp_writer = CheckpointWriter(async_save=bool(getattr(self, "async_save", False)))
+        return writer
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        import lightning
+
+        extra: dict[str, Any] = {"torch": torch.__version__, "lightning": lightning.__version__,
+                                 "strategy": type(self).__name__}
+        dims = getattr(self, "parallel_dims", None)
+        if dims is not None and dataclasses.is_dataclass(dims):
+            extra["parallel_dims"] = {f.name: getattr(dims, f.name) for f in dataclasses.fields(dims)
+                                      if isinstance(getattr(dims, f.name), (int, bool, str, type(None)))}
+        return extra
+
+    def _fitting(self) -> bool:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return bool(self.optimizers) and (trainer is None or trainer.state.fn == TrainerFn.FITTING)
+
+    def _is_last_alias(self, path: Path) -> bool:
+        """Whether ``path`` is a ModelCheckpoint "last" name (what ``ckpt_path="last"`` resolves to)."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        for cb in getattr(trainer, "checkpoint_callbacks", None) or []:
+            if not isinstance(cb, ModelCheckpoint) or not cb.dirpath:
+                continue
+            pattern = rf"^{re.escape(cb.CHECKPOINT_NAME_LAST)}(-v\d+)?{re.escape(cb.FILE_EXTENSION)}$"
+            if Path(cb.dirpath).resolve() == path.parent.resolve() and re.match(pattern, path.name):
+                return True
+        return bool(_DEFAULT_LAST.match(path.name))
+
+    def _resolve_checkpoint(self, path: Path, comm: Comm) -> Path:
+        def verify(p: Path) -> None:
+            verify_distributed(p, comm)
+
+        if self._is_last_alias(path):
+            # Lightning chose "last.ckpt"; it may point at a save that never completed. Take the
+            # newest checkpoint beside it that verifies (the same list on every rank).
+            candidates = comm.broadcast(list_checkpoints(path.parent) if comm.rank == 0 else None)
+            found = find_latest_checkpoint(path.parent, verify=verify, candidates=candidates,
+                                           report=comm.rank == 0)
+            if found is None:
+                raise ValueError(f"ckpt_path={str(path)!r}: no complete checkpoint in {str(path.parent)!r} "
+                                 f"(see the warnings above for why each was skipped); pass ckpt_path=None to "
+                                 f"start from scratch, or the path of a checkpoint saved elsewhere")
+            if found != path.resolve():
+                rank_zero_info(f"Resuming from {str(found)!r}, the newest complete checkpoint beside {str(path)!r}")
+            return found
+        if path.is_file():
+            raise ValueError(f"{str(path)!r} is a file, but {type(self).__name__} saves and loads checkpoint "
+                             f"directories; pass a directory written by trainer.save_checkpoint, or, to start "
+                             f"from consolidated weights, call lightning_disttrain.checkpoint."
+                             f"load_consolidated_into(module.model, file) in on_fit_start")
+        if self.checkpoint_verify:
+            verify(path)
+        return path
+
+    def _stage_rng_restore(self, path: Path, comm: Comm) -> None:
+        saved = rng.count_saved_ranks(path)
+        if saved and saved != comm.world_size:
+            rank_zero_warn(
+                f"checkpoint {str(path)!r} was saved on {saved} ranks and resumes on {comm.world_size}: ranks "
+                f"below {min(saved, comm.world_size)} restore their saved RNG streams"
+                + (f", ranks {saved}..{comm.world_size - 1} get seeds derived from them" if comm.world_size > saved
+                   else f", the streams of ranks {comm.world_size}..{saved - 1} are dropped")
+                + "; randomness (dropout) will not match a run that kept its world size")
+        self._dcp_pending_rng = rng.load_rank_rng(path, comm.rank, saved)
