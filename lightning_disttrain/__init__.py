@@ -1,20 +1,16 @@
 """lightning-disttrain: large-model parallelism as a plug-in for PyTorch Lightning.
 
 Public API: ``GPTConfig``, ``GPT``, ``GPTModule``, ``TokenDataModule``, the strategies
-(``lightning_disttrain.strategies``) and callbacks (``lightning_disttrain.callbacks``).
+(``lightning_disttrain.strategies``: importing the package registers ``fsdp2``, ``fsdp2_zero2``
+and ``hsdp`` with Lightning) and the callbacks (``lightning_disttrain.callbacks``).
 """
 
+from lightning_disttrain import callbacks, strategies  # noqa: F401  (strategies: registers names)
+from lightning_disttrain.data import TokenDataModule, get_tokenizer
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.module import GPTModule
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "GPTConfig", "GPTModule", "TokenDataModule", "__version__"]
-
-
-def __getattr__(name: str):
-    if name == "TokenDataModule":
-        from lightning_disttrain.data import TokenDataModule
-
-        return TokenDataModule
-    raise AttributeError(f"module 'lightning_disttrain' has no attribute {name!r}")
+__all__ = ["GPT", "GPTConfig", "GPTModule", "TokenDataModule", "get_tokenizer", "callbacks", "strategies",
+           "__version__"]

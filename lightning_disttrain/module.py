@@ -34,7 +34,7 @@ class GPTModule(L.LightningModule):
         init_device: ``"meta"`` builds the model without memory, for models too large for one
             host; a lightning-disttrain strategy then shards and materialises it. None builds on
             whatever device the strategy's init context selects.
-        tokenizer: name for ``generate`` on strings; defaults to the data module's tokenizer.
+        tokenizer_name: tokenizer for ``generate`` on strings; defaults to the data module's.
     """
 
     def __init__(
@@ -55,7 +55,7 @@ class GPTModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         decay_fraction: float = 0.2,
         init_device: str | None = None,
-        tokenizer: str | None = None,
+        tokenizer_name: str | None = None,
     ) -> None:
         super().__init__()
         overrides = dict(model_overrides or {})
@@ -120,14 +120,16 @@ class GPTModule(L.LightningModule):
         return self.model.flops_per_token(seq_len)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, padded vocab); columns from ``config.vocab_size`` on are padding."""
         return self.model(idx)
 
     # ---- training -----------------------------------------------------------------------
 
-    @staticmethod
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # fp32 log-softmax: bf16 cross-entropy over 50k classes loses the small probabilities.
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Padding columns cut off, then an fp32 log-softmax: bf16 cross-entropy over 50k classes
+        # loses the small probabilities.
+        logits = logits[..., : self.config.vocab_size].float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def _data_parallel_size(self) -> int:
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
@@ -203,7 +205,7 @@ class GPTModule(L.LightningModule):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            name = self.hparams.tokenizer
+            name = self.hparams.tokenizer_name
             dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
             if name is None and dm is not None and getattr(dm, "tokenizer", None) is not None:
                 self._tokenizer = dm.tokenizer
@@ -238,7 +240,7 @@ class GPTModule(L.LightningModule):
         was_training = self.training
         self.eval()
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.block_size:])[:, -1, :].float()
+            logits = self(idx[:, -self.config.block_size:])[:, -1, : self.config.vocab_size].float()
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:

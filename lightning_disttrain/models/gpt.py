@@ -272,7 +272,13 @@ class GPT(nn.Module):
             self.rope_sin.copy_(sin)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) → logits (B, T, vocab_size); padding columns are cut off."""
+        """Token ids (B, T) → logits (B, T, padded_vocab_size).
+
+        Columns from ``vocab_size`` on are padding: ``trim_padding`` cuts them off, and
+        ``GPTModule``'s loss and ``generate`` do, so they are never predicted. Returning the padded
+        tensor (not a slice) keeps the output a fresh tensor, which FSDP's backward hooks need,
+        and the cut costs nothing extra because the loss copies the logits to fp32 anyway.
+        """
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}; "
@@ -284,10 +290,12 @@ class GPT(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.config.pos_emb == "rope" else None
         for block in self.blocks:
             x = block(x, rope)
-        logits = self.lm_head(self.ln_f(x))
-        if self.config.padded_vocab_size != self.config.vocab_size:
-            logits = logits[..., : self.config.vocab_size]
-        return logits
+        return self.lm_head(self.ln_f(x))
+
+    def trim_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the real vocabulary only (a view when there is padding)."""
+        V = self.config.vocab_size
+        return logits if logits.size(-1) == V else logits[..., :V]
 
     def num_params(self, embeddings: bool = True, padding: bool = False) -> int:
         """Parameters counted once (tied weights once).

@@ -53,7 +53,8 @@ def test_forward_shapes_and_padding_never_predicted():
     assert model.wte.weight.shape[0] == 320
     x = torch.randint(0, 300, (2, 17))
     logits = model(x)
-    assert logits.shape == (2, 17, 300)
+    assert logits.shape == (2, 17, 320)
+    assert model.trim_padding(logits).shape == (2, 17, 300)
     with pytest.raises(ValueError, match="exceeds block_size=256"):
         model(torch.zeros(1, 257, dtype=torch.long))
 
@@ -78,6 +79,7 @@ def test_causality():
     y = x.clone()
     y[0, 8:] = (y[0, 8:] + 1) % 257
     torch.testing.assert_close(model(x)[0, :8], model(y)[0, :8])
+    assert not torch.allclose(model(x)[0, 8:], model(y)[0, 8:])
 
 
 def test_gpt2_initialisation_scales_residual_projections():
