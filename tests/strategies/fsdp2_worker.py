@@ -1,0 +1,213 @@
+"""Training runs through ``L.Trainer`` for the FSDP2 strategy tests; one process per rank.
+
+    python fsdp2_worker.py OUT_DIR DEVICES RUN [RUN ...]
+
+Started once by the test; ``L.Trainer(devices=DEVICES)`` re-launches it on the other ranks
+(Lightning's subprocess launcher). Each RUN (see ``RUNS``) is one ``trainer.fit`` of a tiny
+GPTModule over the same data with the same GLOBAL batch; every rank writes
+``OUT_DIR/RUN.rankR.json`` with the per-step global-mean losses, gradient norms before and after
+clipping, a checksum of the initial weights, the reduce-scatter count and layout facts.
+Importable too: the single-process baseline runs in the test process with ``fit_run``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lightning_disttrain.strategies  # noqa: E402,F401  (registers fsdp2 / fsdp2_zero2 / hsdp)
+from dist_utils import write_rank_json  # noqa: E402
+from lightning_disttrain.module import GPTModule  # noqa: E402
+from lightning_disttrain.strategies import FSDP2Strategy  # noqa: E402
+
+GLOBAL_BATCH = 8
+STEPS = 8
+SEQ = 16
+VOCAB = 64
+CLIP = 0.3  # below the initial gradient norm (~0.5-1), so clipping is active in every run
+MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=2, mlp_hidden=128, block_size=SEQ)
+
+# name -> (strategy, accumulate_grad_batches); the per-rank micro-batch follows from GLOBAL_BATCH.
+RUNS = {
+    "single": ("auto", 1),
+    "fsdp2": ("fsdp2", 1),
+    "fsdp2_zero2": ("fsdp2_zero2", 1),
+    "fsdp2_accum4": ("fsdp2", 4),        # 4 micro-batches of GLOBAL_BATCH/(4*N) per rank
+    "hsdp": ("hsdp", 1),
+    "fsdp2_meta": ("fsdp2_meta", 1),     # empty_init: configure_model on the meta device
+    "fsdp2_compile": ("fsdp2_compile", 1),  # compile=True path (eager backend: no C++ toolchain)
+}
+
+# Count FSDP's reduce-scatters: it calls torch.distributed.reduce_scatter_single for each unit's
+# gradients; the wrapper only counts and calls through.
+_REDUCE_SCATTERS = [0]
+_orig_reduce_scatter = dist.reduce_scatter_single
+
+
+def _counting_reduce_scatter(*args, **kwargs):
+    _REDUCE_SCATTERS[0] += 1
+    return _orig_reduce_scatter(*args, **kwargs)
+
+
+dist.reduce_scatter_single = _counting_reduce_scatter
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _grad_norm(module: torch.nn.Module) -> float:
+    # Independent of the code under test: gather every gradient whole, then one plain norm.
+    sq = sum(_full(p.grad).double().square().sum() for p in module.parameters() if p.grad is not None)
+    return float(sq.sqrt())
+
+
+def weights_checksum(module: torch.nn.Module) -> list[float]:
+    """Per-parameter (sum, weighted sum) of the full tensors, in named_parameters order."""
+    out = []
+    for _, p in module.named_parameters():
+        full = _full(p.detach()).double().flatten()
+        out += [float(full.sum()), float((full * torch.linspace(-1, 1, full.numel(), dtype=full.dtype)).sum())]
+    return out
+
+
+class RecordedGPT(GPTModule):
+    """GPTModule that records, per optimizer step, what the tests compare."""
+
+    def __init__(self, **kwargs):
+        super().__init__("tiny", vocab_size=VOCAB, model_overrides=MODEL, lr=3e-3, weight_decay=0.1,
+                         schedule="constant", warmup_steps=0, **kwargs)
+        self.micro_losses: list[torch.Tensor] = []
+        self.norms_before: list[float] = []
+        self.norms_after: list[float] = []
+        self.initial_checksum: list[float] | None = None
+        self.micro_batch = GLOBAL_BATCH
+
+    def on_fit_start(self) -> None:
+        self.initial_checksum = weights_checksum(self.model)
+        _REDUCE_SCATTERS[0] = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.micro_losses.append(loss.detach().clone())
+        return loss
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.norms_before.append(_grad_norm(self.model))
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.norms_after.append(_grad_norm(self.model))
+
+    def train_dataloader(self):
+        # Our own DistributedSampler from the strategy's distributed_sampler_kwargs (the thing under
+        # test): Lightning's injected one always shuffles training data, a single process does not.
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
+        sampler = DistributedSampler(dataset(), shuffle=False, **kwargs) if kwargs else None
+        return DataLoader(dataset(), batch_size=self.micro_batch, sampler=sampler, shuffle=False)
+
+    def step_losses(self, accumulate: int) -> list[float]:
+        """Mean over the data-parallel ranks (all-reduce) and over each step's micro-batches."""
+        losses = torch.stack(self.micro_losses)
+        if dist.is_initialized():
+            dp = self.trainer.strategy.parallel_dims.get_mesh("dp")
+            dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=dp.get_group())
+            losses /= dp.size()
+        return losses.view(-1, accumulate).mean(dim=1).tolist()
+
+
+def _strategy(name: str):
+    if name == "fsdp2_meta":
+        return FSDP2Strategy(empty_init=True)
+    if name == "fsdp2_compile":
+        return FSDP2Strategy(compile={"backend": "eager"})
+    return name
+
+
+class TransformProbe(L.Callback):
+    """Registers transforms at several stages the way callbacks do (in ``setup``) and records the
+    order they run in and whether FSDP had already wrapped anything at that point."""
+
+    def __init__(self) -> None:
+        self.records: list[list] = []
+
+    def setup(self, trainer, pl_module, stage):
+        registry = getattr(trainer.strategy, "transforms", None)
+        if registry is None:
+            return
+        for stage_name in ("fsdp", "activation_checkpointing", "dtype"):  # registered out of order
+            registry.register(stage_name, self._probe(stage_name), name=f"probe_{stage_name}")
+
+    def _probe(self, stage_name: str):
+        def probe(module, ctx):
+            from torch.distributed.fsdp import FSDPModule
+
+            sharded = any(isinstance(m, FSDPModule) for m in module.modules())
+            self.records.append([stage_name, sharded, ctx.precision, ctx.dims.dp_size])
+        return probe
+
+
+def fit_run(run: str, devices: int) -> dict:
+    strategy_name, accumulate = RUNS[run]
+    micro = GLOBAL_BATCH // (devices * accumulate)
+    L.seed_everything(0)
+    model = RecordedGPT()
+    probe = TransformProbe()
+    trainer = L.Trainer(callbacks=[probe],
+        strategy=_strategy(strategy_name), devices=devices, accelerator="cpu", num_nodes=1,
+        max_steps=STEPS, accumulate_grad_batches=accumulate, gradient_clip_val=CLIP,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0)
+    model.micro_batch = micro
+    trainer.fit(model)
+    result = {
+        "losses": model.step_losses(accumulate),
+        "norms_before": model.norms_before,
+        "norms_after": model.norms_after,
+        "initial_checksum": model.initial_checksum,
+        "micro_batches": len(model.micro_losses),
+        "optimizer_steps": trainer.global_step,
+    }
+    strategy = trainer.strategy
+    if isinstance(strategy, FSDP2Strategy):
+        from torch.distributed.fsdp import FSDPModule
+
+        w = model.model.blocks[0].attn.wq.weight
+        result.update(
+            reduce_scatters=_REDUCE_SCATTERS[0],
+            fsdp_units=sum(isinstance(m, FSDPModule) for m in model.modules()),
+            sampler=strategy.distributed_sampler_kwargs,
+            dims=strategy.parallel_dims.degrees,
+            placements=[str(p) for p in w.placements],
+            mesh_dims=list(w.device_mesh.mesh_dim_names),
+            local_rows=w.to_local().shape[0],
+            lightning_module_mesh=list(model.device_mesh.mesh_dim_names),
+            root_is_lightning_module=strategy._root_is_lightning_module,
+            transform_log=probe.records,
+            transform_names=strategy.transforms.names(),
+            compiled_blocks=sum(getattr(b, "_compiled_call_impl", None) is not None for b in model.model.blocks),
+            clip_fn=getattr(trainer.precision_plugin.clip_grad_by_norm, "__qualname__", ""),
+        )
+    return result
+
+
+def main() -> None:
+    out_dir, devices, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    for run in runs:
+        result = fit_run(run, devices)
+        write_rank_json(out_dir, run, dist.get_rank() if dist.is_initialized() else 0, result)
+
+
+if __name__ == "__main__":
+    main()

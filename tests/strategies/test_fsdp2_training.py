@@ -1,0 +1,157 @@
+"""FSDP2 through ``L.Trainer`` on 2 and 4 gloo ranks against one process with the same GLOBAL batch.
+
+Each launch runs several ``trainer.fit`` (``fsdp2_worker.py``); Lightning's subprocess launcher
+starts the other ranks. Compared per optimizer step over 8 steps: the loss averaged over the
+global batch, the gradient norm (every gradient gathered whole), the norm after clipping.
+"""
+
+from pathlib import Path
+
+import pytest
+
+import fsdp2_worker as worker
+from dist_utils import read_ranks, run_lightning_script
+
+HERE = Path(__file__).parent
+TOL = 1e-5
+TWO_RANK_RUNS = ["fsdp2", "fsdp2_zero2", "fsdp2_accum4", "fsdp2_meta", "fsdp2_compile"]
+FOUR_RANK_RUNS = ["fsdp2", "hsdp"]
+
+
+@pytest.fixture(scope="module")
+def single():
+    return worker.fit_run("single", devices=1)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2_two")
+    run_lightning_script(HERE / "fsdp2_worker.py", out, 2, *TWO_RANK_RUNS, timeout=600)
+    return {run: read_ranks(out, run, 2) for run in TWO_RANK_RUNS}
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2_four")
+    run_lightning_script(HERE / "fsdp2_worker.py", out, 4, *FOUR_RANK_RUNS, timeout=600)
+    return {run: read_ranks(out, run, 4) for run in FOUR_RANK_RUNS}
+
+
+def assert_matches(ranks, single):
+    assert len(single["losses"]) == worker.STEPS
+    for rank, r in enumerate(ranks):
+        assert r["optimizer_steps"] == worker.STEPS
+        assert r["losses"] == pytest.approx(single["losses"], abs=TOL), f"rank {rank}"
+        assert r["norms_before"] == pytest.approx(single["norms_before"], rel=TOL), f"rank {rank}"
+
+
+@pytest.mark.parametrize("run", ["fsdp2", "fsdp2_zero2"])
+def test_two_ranks_match_single_process(two, single, run):
+    assert_matches(two[run], single)
+    assert two[run][0]["initial_checksum"] == single["initial_checksum"]  # rank 0's init, broadcast
+
+
+@pytest.mark.parametrize("run", FOUR_RANK_RUNS)
+def test_four_ranks_match_single_process(four, single, run):
+    assert_matches(four[run], single)
+
+
+def test_layout_and_sampler(two, four):
+    for ranks, run, dims, placements, mesh, rows in [
+        (two["fsdp2"], "fsdp2", (1, 2), ["S(0)"], ["dp_shard_cp"], 16),
+        (four["fsdp2"], "fsdp2", (1, 4), ["S(0)"], ["dp_shard_cp"], 8),
+        (four["hsdp"], "hsdp", (2, 2), ["R", "S(0)"], ["dp_replicate", "dp_shard_cp"], 16),
+    ]:
+        # Every rank is its own data-parallel rank here: no TP/PP ranks share samples.
+        assert [r["sampler"] for r in ranks] == [{"num_replicas": len(ranks), "rank": i} for i in range(len(ranks))]
+        for r in ranks:
+            assert (r["dims"]["dp_replicate"], r["dims"]["dp_shard"]) == dims, run
+            assert (r["placements"], r["mesh_dims"], r["local_rows"]) == (placements, mesh, rows), run
+            assert r["lightning_module_mesh"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+            assert not r["root_is_lightning_module"]  # GPTModule.model owns every parameter
+
+
+def test_gradient_accumulation_4x1_equals_1x4_and_skips_reduce_scatter(two, single):
+    accum, plain = two["fsdp2_accum4"], two["fsdp2"]
+    assert_matches(accum, single)
+    for a, p in zip(accum, plain):
+        assert a["micro_batches"] == 4 * worker.STEPS and p["micro_batches"] == worker.STEPS
+        assert a["losses"] == pytest.approx(p["losses"], abs=TOL)
+        # One reduce-scatter per FSDP unit per OPTIMIZER step, not per micro-batch.
+        assert a["fsdp_units"] == 3  # 2 blocks + the root
+        assert a["reduce_scatters"] == p["reduce_scatters"] == worker.STEPS * 3
+
+
+def test_gradient_clipping_uses_the_global_norm(two, four, single):
+    runs = [two["fsdp2"], two["fsdp2_accum4"], four["hsdp"]]
+    for ranks in runs:
+        for r in ranks:
+            assert "_install_grad_clipping" in r["clip_fn"]  # our DTensor-aware clip is what ran
+            expected = [min(worker.CLIP, n) for n in single["norms_before"]]
+            assert r["norms_after"] == pytest.approx(expected, rel=1e-4)
+    assert max(single["norms_before"]) > worker.CLIP  # clipping was active
+
+
+def test_transforms_run_in_stage_order(two):
+    for r in two["fsdp2_compile"]:
+        assert [e[0] for e in r["transform_log"]] == ["dtype", "activation_checkpointing", "fsdp"]
+        # Earlier stages see the unsharded model; a transform registered at "fsdp" runs after ours.
+        assert [e[1] for e in r["transform_log"]] == [False, False, True]
+        assert r["transform_log"][0][2:] == ["32-true", 2]  # the context: precision, dims
+        assert [n for _, n in r["transform_names"]] == [
+            "probe_dtype", "probe_activation_checkpointing", "compile_blocks", "fsdp2", "probe_fsdp"]
+
+
+def test_compile_stage(two, single):
+    assert_matches(two["fsdp2_compile"], single)
+    assert all(r["compiled_blocks"] == 2 for r in two["fsdp2_compile"])
+
+
+def test_meta_init_equals_single_process_meta_build(two):
+    import torch
+
+    from lightning_disttrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        ref = GPT(GPTConfig.from_name("tiny", vocab_size=worker.VOCAB, **worker.MODEL))
+    ref.to_empty(device="cpu")
+    ref.init_weights()
+    expected = worker.weights_checksum(ref)
+    ranks = two["fsdp2_meta"]
+    for r in ranks:
+        assert r["initial_checksum"] == pytest.approx(expected, abs=1e-6)
+        assert r["optimizer_steps"] == worker.STEPS and r["losses"] == ranks[0]["losses"]
+
+
+def test_lightning_cli_fit_by_name(tmp_path):
+    config = tmp_path / "fit.yaml"
+    config.write_text(f"""
+seed_everything: 0
+trainer:
+  strategy: fsdp2
+  devices: 2
+  accelerator: cpu
+  max_steps: 3
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: cli_worker.ReportStrategy
+      init_args: {{out_dir: {tmp_path}}}
+model:
+  class_path: lightning_disttrain.GPTModule
+  init_args:
+    config: tiny
+    model_overrides: {{n_layer: 2, n_embd: 32, n_head: 2, n_kv_head: 2, mlp_hidden: 128, block_size: 16}}
+    schedule: constant
+data:
+  class_path: cli_worker.RandomTokenData
+""")
+    run_lightning_script(HERE / "cli_worker.py", "fit", "--config", config, timeout=300)
+    ranks = read_ranks(tmp_path, "cli", 2)
+    for rank, r in enumerate(ranks):
+        assert r["strategy"] == "FSDP2Strategy" and r["world_size"] == 2 and r["global_step"] == 3
+        assert r["sampler"] == {"num_replicas": 2, "rank": rank}
+    assert ranks[0]["loss"] == ranks[1]["loss"]  # logged with sync_dist: the global mean on every rank

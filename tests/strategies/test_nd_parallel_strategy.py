@@ -1,0 +1,102 @@
+"""NDParallelStrategy / FSDP2Strategy without launching processes: construction errors, the
+registered names, degree resolution at Trainer construction, LightningCLI YAML resolution."""
+
+import lightning as L
+import pytest
+
+import lightning_disttrain.strategies  # noqa: F401  (registers the names)
+from lightning_disttrain.strategies import FSDP2Strategy, NDParallelStrategy
+
+
+def trainer(strategy, devices=2, num_nodes=1):
+    return L.Trainer(strategy=strategy, devices=devices, num_nodes=num_nodes, accelerator="cpu",
+                     logger=False, enable_progress_bar=False, enable_checkpointing=False)
+
+
+@pytest.mark.parametrize("name", ["tp", "pp", "ep", "cp"])
+def test_unsupported_degrees_fail_at_construction(name):
+    with pytest.raises(ValueError, match=rf"{name}=2\) is not supported yet.*set {name}=1"):
+        NDParallelStrategy(**{name: 2})
+
+
+@pytest.mark.parametrize("value", [0, 1, -1, "yes"])
+def test_reshard_after_forward_values(value):
+    with pytest.raises(ValueError, match=r"reshard_after_forward=.*use True \(ZeRO-3\), False"):
+        NDParallelStrategy(reshard_after_forward=value)
+
+
+@pytest.mark.parametrize("hsdp", [(0, 2), (2,), (-1, -1), "yes"])
+def test_hsdp_argument(hsdp):
+    with pytest.raises(ValueError, match=r"hsdp=.*use None, 'auto' or \(replicate, shard\)"):
+        FSDP2Strategy(hsdp=hsdp)
+
+
+def test_registered_names():
+    s = trainer("fsdp2").strategy
+    assert type(s) is FSDP2Strategy and s.reshard_after_forward is True and s.hsdp is None
+    assert s.parallel_dims.degrees == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
+    s = trainer("fsdp2_zero2").strategy
+    assert type(s) is FSDP2Strategy and s.reshard_after_forward is False
+    assert s.is_distributed  # Lightning then syncs self.log(sync_dist=True)
+
+
+@pytest.mark.parametrize(("devices", "num_nodes", "split"), [
+    (4, 1, (2, 2)),  # one node: the squarest split
+    (8, 1, (2, 4)),
+    (2, 1, (1, 2)),
+    (2, 2, (2, 2)),  # several nodes: replicate across nodes, shard within one
+    (4, 2, (2, 4)),
+])
+def test_hsdp_auto_split(devices, num_nodes, split):
+    dims = trainer("hsdp", devices=devices, num_nodes=num_nodes).strategy.parallel_dims
+    assert (dims.dp_replicate, dims.dp_shard) == split
+
+
+def test_hsdp_explicit_split_with_rest():
+    dims = trainer(FSDP2Strategy(hsdp=(-1, 2)), devices=4).strategy.parallel_dims
+    assert (dims.dp_replicate, dims.dp_shard) == (2, 2)
+
+
+def test_bad_layout_fails_at_trainer_construction():
+    # Before any process is launched or any process group exists.
+    with pytest.raises(ValueError, match=r"dp_replicate=3 does not divide world_size=4"):
+        trainer(FSDP2Strategy(hsdp=(3, -1)), devices=4)
+    with pytest.raises(ValueError, match=r"pp\*dp_replicate\*dp_shard\*cp\*tp = 1\*2\*1\*1\*1 = 2 but world_size=4"):
+        trainer(NDParallelStrategy(dp_replicate=2, dp_shard=1), devices=4)
+    with pytest.raises(ValueError, match=r"hsdp=\(-1, 3\): shard=3 does not divide world_size=4"):
+        trainer(FSDP2Strategy(hsdp=(-1, 3)), devices=4)
+
+
+def test_mesh_before_setup_is_an_error():
+    s = trainer("fsdp2").strategy
+    with pytest.raises(RuntimeError, match="setup_environment"):
+        _ = s.device_mesh
+
+
+def test_transforms_registry_has_fsdp_last_and_compile_when_asked():
+    assert NDParallelStrategy().transforms.names() == [("fsdp", "fsdp2")]
+    s = FSDP2Strategy(compile={"backend": "eager"})
+    assert s.transforms.names() == [("compile", "compile_blocks"), ("fsdp", "fsdp2")]
+    s.transforms.register("dtype", lambda m, ctx: None, name="float8")
+    assert [stage for stage, _ in s.transforms.names()] == ["dtype", "compile", "fsdp"]
+
+
+@pytest.mark.parametrize(("strategy_yaml", "expected"), [
+    ("  strategy: fsdp2\n", (True, None, (1, 4))),
+    ("  strategy: hsdp\n", (True, "auto", (2, 2))),
+    ("  strategy:\n    class_path: lightning_disttrain.strategies.FSDP2Strategy\n"
+     "    init_args:\n      reshard_after_forward: false\n      hsdp: [2, 2]\n", (False, (2, 2), (2, 2))),
+])
+def test_lightning_cli_yaml(tmp_path, strategy_yaml, expected):
+    from lightning_disttrain.cli import DistTrainCLI
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "trainer:\n" + strategy_yaml + "  devices: 4\n  accelerator: cpu\n  logger: false\n"
+        "model:\n  class_path: lightning_disttrain.GPTModule\n  init_args:\n    config: tiny\n"
+        "data:\n  class_path: cli_worker.RandomTokenData\n")
+    cli = DistTrainCLI(args=["--config", str(config)], run=False)
+    s = cli.trainer.strategy
+    dims = s.parallel_dims
+    assert type(s) is FSDP2Strategy
+    assert (s.reshard_after_forward, s.hsdp, (dims.dp_replicate, dims.dp_shard)) == expected
