@@ -1,0 +1,66 @@
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(args, cwd, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "lightning_disttrain.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("config", ["quickstart.yaml", "gpt2-124m-fineweb.yaml"])
+def test_shipped_configs_parse(config, tmp_path):
+    out = _run(["fit", "--config", str(REPO / "configs" / config), "--print_config"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "lightning_disttrain.GPTModule" in out.stdout
+    assert "strategy: fsdp2" in out.stdout
+
+
+def test_cli_fit_from_yaml(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"""
+seed_everything: 7
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: 6
+  log_every_n_steps: 1
+  val_check_interval: 3
+  check_val_every_n_epoch: null
+  enable_progress_bar: false
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args: {{save_dir: {tmp_path}, name: logs}}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: {tmp_path}/ckpt, every_n_train_steps: 6}}
+    - class_path: lightning_disttrain.callbacks.SampleGeneration
+      init_args: {{prompt: "def ", max_new_tokens: 8}}
+model:
+  class_path: lightning_disttrain.GPTModule
+  init_args: {{config: tiny, lr: 1.0e-3}}
+data:
+  class_path: lightning_disttrain.TokenDataModule
+  init_args: {{source: embedded, tokenizer: bytes, seq_len: 32, batch_size: 4, val_batches: 2,
+               cache_dir: {tmp_path}/cache, max_docs: 60}}
+""")
+    out = _run(["fit", "--config", str(cfg)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "----- sample at step 6 -----" in out.stderr + out.stdout
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").glob("version_*/metrics.csv")))))
+    assert any(r.get("val/loss") for r in rows) and any(r.get("train/loss") for r in rows)
+    assert list((tmp_path / "ckpt").iterdir())
+
+
+def test_cli_help_lists_tools(tmp_path):
+    out = _run(["--help"], tmp_path)
+    assert "prepare" in out.stdout and "export" in out.stdout
+    out = _run(["prepare", "--help"], tmp_path)
+    assert out.returncode == 0 and "usage" in out.stdout.lower()
