@@ -98,7 +98,7 @@ def test_vocab_taken_from_datamodule():
 
 
 def test_generate_greedy_is_deterministic_and_respects_block_size():
-    module = GPTModule("tiny", vocab_size=257, tokenizer="bytes")
+    module = GPTModule("tiny", vocab_size=257, tokenizer_name="bytes")
     ids = torch.tensor([[1, 2, 3]])
     a = module.generate(ids, max_new_tokens=300, temperature=0)
     b = module.generate(ids, max_new_tokens=300, temperature=0)
