@@ -70,13 +70,16 @@ from lightning_disttrain.parallel.fsdp import (
 from lightning_disttrain.parallel.mesh import ParallelDims
 from lightning_disttrain.parallel.plan import find_parallel_plan, init_weights
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry, compile_transform
+from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
 
 # Degrees whose transforms exist. The TP / PP / EP / CP issues add theirs here.
 _SUPPORTED_DEGREES = ("dp_replicate", "dp_shard")
 
 
 class _NDParallelBase(ParallelStrategy):
-    """Everything of ``NDParallelStrategy`` but checkpointing (see there)."""
+    """Everything of ``NDParallelStrategy`` but checkpointing. A base class rather than the class
+    itself so that ``DCPCheckpointMixin`` sits above these methods in the MRO: its ``teardown``
+    (which finishes an async save) reaches ours through ``super()`` instead of being hidden by it."""
 
     def __init__(
         self,
@@ -390,7 +393,7 @@ class _NDParallelBase(ParallelStrategy):
         self.accelerator.teardown()
 
 
-class NDParallelStrategy(_NDParallelBase):
+class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
     """N-D parallel training over one ``DeviceMesh``: FSDP2 (ZeRO-3/ZeRO-2), HSDP, ...
 
     Args:
