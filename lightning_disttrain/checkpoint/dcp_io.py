@@ -106,15 +106,24 @@ def remove_checkpoint_path(path: str | os.PathLike) -> None:
         shutil.rmtree(path)
 
 
-def _prepare_directory(path: Path) -> None:
+_OURS = (MANIFEST_NAME, ".metadata", META_NAME, rng.RNG_DIR)
+
+
+def _prepare_directory(path: Path) -> str | None:
+    """Make ``path`` an empty directory; an error message instead when that would destroy data."""
     # Overwriting (Lightning's save_last=True reuses "last.ckpt"): never write through a link
     # into the checkpoint it points at, and drop stale shards of an earlier save, which may
-    # come from a different world size.
+    # come from a different world size. A directory that is not a checkpoint is never emptied.
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():
+        entries = [p.name for p in path.iterdir()]
+        if entries and not any(name in _OURS or name.endswith(".distcp") for name in entries):
+            return (f"{str(path)!r} exists and is not a checkpoint directory (it holds {entries[:3]}); "
+                    f"save the checkpoint to a new path, e.g. {str(path / 'step=N.ckpt')!r}")
         remove_checkpoint_path(path)
     path.mkdir(parents=True)
+    return None
 
 
 @dataclass
@@ -161,9 +170,9 @@ class CheckpointWriter:
         self.wait()  # one save in flight at most; the next must not stage over a running write
         comm = self.comm()
         path = Path(path)
-        if comm.rank == 0:
-            _prepare_directory(path)
-        comm.barrier()
+        refusal = _prepare_directory(path) if comm.rank == 0 else None
+        if refusal := comm.broadcast(refusal):  # also the barrier: nobody writes before the directory is ready
+            raise ValueError(refusal)
         if comm.rank == 0 and meta is not None:
             torch.save(meta, path / META_NAME)
         rng.save_rank_rng(path, comm.rank, rng_state)

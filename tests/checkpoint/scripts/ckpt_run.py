@@ -1,0 +1,158 @@
+"""Multi-process checkpoint scenarios through L.Trainer, run by tests/checkpoint/test_resume.py.
+
+Lightning's subprocess launcher re-runs this script once per rank. Every rank writes
+``OUT/rank{r}.json``; the test reads them.
+
+    python ckpt_run.py train  --out OUT --devices 2 --steps 12 --ckpt-dir DIR [--async-save] ...
+    python ckpt_run.py resume --out OUT --devices 2 --jobs JOBS.json
+
+``resume`` runs several fits in one process (one per job in JOBS.json: resume from a path or
+"last", or expect a failure); each records its losses, sample ids or error message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)  # 2 busy cores; and one thread keeps CPU kernels bitwise reproducible
+warnings.filterwarnings("ignore")
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import (  # noqa: E402
+    IndexedData,
+    Recorder,
+    build_module,
+    build_strategy,
+    strategy_kind,
+)
+
+
+def _trainer(args, strategy, steps: int, callbacks: list) -> L.Trainer:
+    return L.Trainer(strategy=strategy, devices=args.devices, accelerator="cpu", max_steps=steps,
+                     callbacks=callbacks, logger=False,
+                     enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
+                     enable_model_summary=False, use_distributed_sampler=False,
+                     num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=args.out)
+
+
+def _checkpointing(directory: str, every: int, top_k: int) -> ModelCheckpoint:
+    # monitor="step", mode="max": Lightning's way of "keep the last K" (save_top_k=K).
+    return ModelCheckpoint(dirpath=directory, filename="{step:03d}", every_n_train_steps=every,
+                           save_top_k=top_k, monitor="step", mode="max", save_last="link")
+
+
+def cmd_train(args) -> tuple[int, dict]:
+    if args.slow_write:
+        _slow_down_writes(args.slow_write)
+    L.seed_everything(1234, workers=True)
+    strategy = build_strategy(async_save=args.async_save)
+    durations = _time_saves(strategy)
+    out = Path(args.out)
+    rec = Recorder(probe_dir=args.ckpt_dir if args.async_save else None,
+                   logits_to=out / "logits.pt" if args.logits else None,
+                   full_state_to=out / "final_state.pt" if args.dump_state else None)
+    callbacks = [rec]
+    if args.every:
+        callbacks.append(_checkpointing(args.ckpt_dir, args.every, args.top_k))
+    trainer = _trainer(args, strategy, args.steps, callbacks)
+    trainer.fit(build_module(total_steps=args.total_steps), datamodule=IndexedData())
+    return trainer.global_rank, {
+        "losses": rec.losses, "samples": rec.samples, "probes": rec.probes, "save_seconds": durations,
+        "strategy": strategy_kind(strategy), "world_size": trainer.world_size}
+
+
+def cmd_resume(args) -> tuple[int, dict]:
+    jobs = json.loads(Path(args.jobs).read_text())
+    results = {}
+    for job in jobs:
+        name = job["name"]
+        L.seed_everything(99, workers=True)  # a different seed: everything must come from the checkpoint
+        strategy = build_strategy(async_save=False)
+        out = Path(args.out)
+        rec = Recorder(dump_state_to=out / f"{name}_restored.pt" if job.get("dump_state") else None,
+                       init_from=job.get("init_from"),
+                       start_logits_to=out / f"{name}_start_logits.pt" if job.get("init_from") else None)
+        callbacks = [rec]
+        if job.get("last_dir"):  # the same callback as the run that saved (its state is restored)
+            callbacks.append(_checkpointing(job["last_dir"], 2, 2))
+        trainer = _trainer(args, strategy, job["steps"], callbacks)
+        module = build_module(total_steps=job.get("total_steps", 12))
+        data = IndexedData()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                trainer.fit(module, datamodule=data, ckpt_path=job["ckpt_path"])
+                outcome = {"ok": True}
+            except Exception as err:  # the bad-input jobs expect this
+                outcome = {"ok": False, "error": f"{type(err).__name__}: {err}",
+                           "traceback": traceback.format_exc()[-3000:]}
+        outcome.update(losses=rec.losses, samples=rec.samples, start_step=rec.start_step,
+                       warnings=[str(w.message) for w in caught if "checkpoint" in str(w.message).lower()],
+                       strategy=strategy_kind(strategy), world_size=trainer.world_size)
+        results[name] = outcome
+        rank = trainer.global_rank
+    return rank, results
+
+
+def _time_saves(strategy) -> list[float]:
+    # How long each save blocks the training loop (the async claim).
+    durations: list[float] = []
+    original = strategy.save_checkpoint
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        original(*a, **kw)
+        durations.append(time.perf_counter() - t0)
+
+    strategy.save_checkpoint = timed
+    return durations
+
+
+def _slow_down_writes(seconds: float) -> None:
+    # Make the (real) DCP file write take a known minimum time, so the test can see that the
+    # training loop runs on while the files are written and that the manifest waits for them.
+    from torch.distributed.checkpoint import filesystem
+
+    original = filesystem._FileSystemWriter.write_data
+
+    def slow(self, plan, planner):
+        time.sleep(seconds)
+        return original(self, plan, planner)
+
+    filesystem._FileSystemWriter.write_data = slow
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("command", choices=("train", "resume"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--total-steps", type=int, default=12, help="length of the LR schedule")
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--every", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--async-save", action="store_true")
+    p.add_argument("--slow-write", type=float, default=0.0)
+    p.add_argument("--logits", action="store_true", help="save logits on a fixed input after training")
+    p.add_argument("--dump-state", action="store_true", help="save the full state after training")
+    p.add_argument("--jobs", default=None)
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    rank, result = cmd_train(args) if args.command == "train" else cmd_resume(args)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Pieces shared by the checkpoint scenario scripts: strategy, module, data, recorder.
+
+The strategy is the project's ``NDParallelStrategy`` (composed with ``DCPCheckpointMixin`` here
+if it does not inherit it yet). Without it, or with LDT_TEST_STRATEGY=local, a test-local
+``DCPCheckpointMixin`` + Lightning ``ModelParallelStrategy`` with FSDP2 applied in ``configure_model``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lightning_disttrain.checkpoint.dcp_io import unwrap_optimizer
+from lightning_disttrain.module import GPTModule
+from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
+
+VOCAB = 257
+SEQ_LEN = 32
+MICRO_BATCH = 2
+N_SAMPLES = 4096
+
+
+def _nd_strategy_class():
+    """NDParallelStrategy with the mixin: the real class once it inherits DCPCheckpointMixin; until
+    then the same composition made here, so the mixin is already exercised against its sharding."""
+    if os.environ.get("LDT_TEST_STRATEGY", "auto") == "local":
+        return None
+    try:
+        from lightning_disttrain.strategies.nd_parallel import NDParallelStrategy
+    except ImportError:
+        if os.environ.get("LDT_TEST_STRATEGY") == "nd":
+            raise
+        return None
+    if issubclass(NDParallelStrategy, DCPCheckpointMixin):
+        return NDParallelStrategy
+    return type("NDParallelStrategyWithDCP", (DCPCheckpointMixin, NDParallelStrategy), {})
+
+
+class LocalFSDP2Strategy(DCPCheckpointMixin, ModelParallelStrategy):
+    """Stand-in for NDParallelStrategy: Lightning's ModelParallelStrategy (all ranks data parallel)
+    with our checkpointing; ``LocalShardedGPT.configure_model`` applies FSDP2."""
+
+    def __init__(self, async_save: bool = False) -> None:
+        super().__init__(data_parallel_size=1, tensor_parallel_size=1)
+        self.async_save = async_save
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_processes * self.num_nodes
+        super().setup_environment()
+
+
+class LocalShardedGPT(GPTModule):
+    def configure_model(self) -> None:
+        super().configure_model()
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.model, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def build_strategy(async_save: bool = False):
+    cls = _nd_strategy_class()
+    if cls is None:
+        return LocalFSDP2Strategy(async_save=async_save)
+    return cls(async_save=async_save)
+
+
+def strategy_kind(strategy) -> str:
+    return type(strategy).__name__
+
+
+def build_module(total_steps: int = 12) -> GPTModule:
+    cls = GPTModule if _nd_strategy_class() is not None else LocalShardedGPT
+    # dropout > 0 so that RNG restore matters; an LR schedule so that scheduler restore matters.
+    return cls(config="tiny", vocab_size=VOCAB, model_overrides={"dropout": 0.1}, lr=3e-3,
+               schedule="cosine", warmup_steps=3, max_steps=total_steps)
+
+
+# ---- data: global sample i is decodable from its first two tokens ----------------------------
+
+
+class IndexedTokens(Dataset):
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(10_000 + i)
+        seq = torch.randint(0, VOCAB, (SEQ_LEN + 1,), generator=g)
+        seq[0], seq[1] = i % 256, i // 256
+        return seq[:-1], seq[1:]
+
+
+def sample_ids(x: torch.Tensor) -> list[int]:
+    return (x[:, 0] + 256 * x[:, 1]).tolist()
+
+
+class GlobalOrderSampler(Sampler):
+    """Global sample g (g = 0, 1, ...) is dataset index perm[g]; step s on rank r of w takes
+    g = start + s·w·B + r·B + j. The position is global, so it survives a change of world size."""
+
+    def __init__(self, start: int, rank: int, world: int, batch: int) -> None:
+        self.start, self.rank, self.world, self.batch = start, rank, world, batch
+        self.perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(5)).tolist()
+
+    def __len__(self) -> int:
+        return (N_SAMPLES - self.start) // (self.world * self.batch) * self.batch
+
+    def __iter__(self):
+        for s in range(len(self) // self.batch):
+            for j in range(self.batch):
+                yield self.perm[self.start + s * self.world * self.batch + self.rank * self.batch + j]
+
+
+class IndexedData(L.LightningDataModule):
+    """Deterministic, stateful: ``state_dict`` is the global sample position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._base, self._base_step, self._world = 0, 0, 1
+
+    def _dp(self) -> tuple[int, int]:
+        kw = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kw.get("rank", self.trainer.global_rank)), int(kw.get("num_replicas", self.trainer.world_size))
+
+    def train_dataloader(self) -> DataLoader:
+        rank, self._world = self._dp()
+        self._base_step = self.trainer.global_step  # loops are restored by now
+        sampler = GlobalOrderSampler(self._base, rank, self._world, MICRO_BATCH)
+        return DataLoader(IndexedTokens(), batch_size=MICRO_BATCH, sampler=sampler, num_workers=0)
+
+    def state_dict(self) -> dict:
+        consumed = self._base + (self.trainer.global_step - self._base_step) * self._world * MICRO_BATCH
+        return {"consumed": consumed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._base = int(state_dict["consumed"])
+
+
+# ---- recording ---------------------------------------------------------------------------------
+
+
+def full_state(module, optimizers) -> dict:
+    """Full (gathered) model and optimizer state; collective, complete on rank 0."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"model": get_model_state_dict(module, options=opts),
+            "optimizers": [get_optimizer_state_dict(module, unwrap_optimizer(o), options=opts) for o in optimizers]}
+
+
+PROBE_INPUT_SEED = 7
+
+
+def probe_input() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(PROBE_INPUT_SEED))
+
+
+@torch.no_grad()
+def probe_logits(module) -> torch.Tensor:
+    was_training = module.training
+    module.eval()
+    logits = module(probe_input().to(module.device)).float().cpu()
+    module.train(was_training)
+    return logits
+
+
+class Recorder(L.Callback):
+    """Per-step losses (as float.hex, for bitwise comparison), sample ids, and async probes."""
+
+    def __init__(self, probe_dir: str | None = None, dump_state_to: Path | None = None,
+                 logits_to: Path | None = None, full_state_to: Path | None = None,
+                 init_from: str | None = None, start_logits_to: Path | None = None) -> None:
+        self.losses: list[list] = []
+        self.samples: list[list] = []
+        self.probes: list[dict] = []
+        self.start_step: int | None = None
+        self.probe_dir, self.dump_state_to = probe_dir, dump_state_to
+        self.logits_to, self.full_state_to = logits_to, full_state_to
+        self.init_from, self.start_logits_to = init_from, start_logits_to
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start_step = trainer.global_step
+        # Distinct streams per rank, so that restoring "each rank its own" is actually tested. A
+        # resumed run overwrites this with the checkpoint's state before its first batch.
+        torch.manual_seed(1000 + trainer.global_rank)
+        if self.init_from is not None:  # a consolidated export as the initial weights of a sharded run
+            from lightning_disttrain.checkpoint import load_consolidated_into
+
+            load_consolidated_into(pl_module.model, self.init_from)
+        if self.start_logits_to is not None:
+            logits = probe_logits(pl_module)
+            if trainer.is_global_zero:
+                torch.save(logits, self.start_logits_to)
+        if self.dump_state_to is not None:  # what the checkpoint restored, before any step
+            state = full_state(pl_module, trainer.optimizers)
+            if trainer.is_global_zero:
+                torch.save(state, self.dump_state_to)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append([trainer.global_step, float(loss.detach().float().item()).hex()])
+        self.samples.append([trainer.global_step, sample_ids(batch[0].cpu())])
+        if self.probe_dir and Path(self.probe_dir).is_dir():
+            self.probes.append({"step": trainer.global_step, "time": __import__("time").time(), "dirs": {
+                d.name: {"manifest": (d / "manifest.json").exists(), "metadata": (d / ".metadata").exists()}
+                for d in sorted(Path(self.probe_dir).iterdir()) if d.is_dir() and not d.is_symlink()}})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.full_state_to is not None:
+            state = full_state(pl_module, trainer.optimizers)
+            if trainer.is_global_zero:
+                torch.save(state, self.full_state_to)
+        if self.logits_to is not None:
+            logits = probe_logits(pl_module)
+            if trainer.is_global_zero:
+                torch.save(logits, self.logits_to)

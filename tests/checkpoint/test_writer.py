@@ -1,0 +1,163 @@
+"""CheckpointWriter in one process: sync/async saves, deferred removal, failures, overwrite, RNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+from ckpt_helpers import Wrapper, dcp_state, save, train_a_bit
+from torch.distributed.checkpoint import filesystem
+
+from lightning_disttrain.checkpoint import MANIFEST_NAME, CheckpointWriter, load_sharded, verify_checkpoint
+from lightning_disttrain.checkpoint import rng
+from lightning_disttrain.checkpoint.dcp_io import Comm, load_meta
+
+
+@pytest.fixture
+def slow_writes(monkeypatch):
+    """Make DCP's real file write take at least `delay` seconds (the write runs in the background)."""
+    original = filesystem._FileSystemWriter.write_data
+
+    def install(delay: float = 0.5, fail: bool = False):
+        def write_data(self, plan, planner):
+            time.sleep(delay)
+            if fail:
+                raise OSError("disk full (simulated)")
+            return original(self, plan, planner)
+
+        monkeypatch.setattr(filesystem._FileSystemWriter, "write_data", write_data)
+
+    return install
+
+
+def _assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+def test_sync_round_trip_restores_model_and_optimizer(ckpt, trained):
+    module, opt = trained
+    fresh = Wrapper(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=5.0)  # a different lr: must come back as 1e-3
+    load_sharded(ckpt, fresh, [[fresh_opt]], Comm())
+    _assert_same(module, fresh)
+    assert fresh_opt.param_groups[0]["lr"] == 1e-3
+    for p, q in zip(module.parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key])
+    # Continuing from the restored copy is identical to continuing the original.
+    train_a_bit(module, steps=1, seed=5).step()
+    assert load_meta(ckpt) == {"global_step": 2, "epoch": 0}
+
+
+def test_optimizer_count_mismatch_names_the_fix(ckpt):
+    fresh = Wrapper()
+    opts = [[torch.optim.AdamW(fresh.parameters())], [torch.optim.SGD(fresh.parameters(), lr=0.1)]]
+    with pytest.raises(ValueError, match="holds 1 optimizer state.*configures 2.*configure_optimizers"):
+        load_sharded(ckpt, fresh, opts, Comm())
+
+
+def test_async_save_writes_the_manifest_only_after_the_files(tmp_path, trained, slow_writes):
+    slow_writes(0.5)
+    module, opt = trained
+    writer = CheckpointWriter(async_save=True)
+    t0 = time.perf_counter()
+    writer.save(tmp_path / "a.ckpt", dcp_state(module, opt), {"global_step": 2}, global_step=2)
+    returned_after = time.perf_counter() - t0
+    assert returned_after < 0.5  # staged to memory and handed to the background thread
+    assert writer.in_flight == tmp_path / "a.ckpt"
+    assert not (tmp_path / "a.ckpt" / MANIFEST_NAME).exists()
+    assert not (tmp_path / "a.ckpt" / ".metadata").exists()
+    # Training goes on and changes the weights in place; the checkpoint keeps the staged values.
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    train_a_bit(module, steps=1, seed=9)
+    manifest = writer.wait()
+    assert manifest is not None and manifest.extra["async_save"] is True
+    assert verify_checkpoint(tmp_path / "a.ckpt").global_step == 2
+    fresh = Wrapper(seed=3)
+    load_sharded(tmp_path / "a.ckpt", fresh, [], Comm())
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    writer.close()
+
+
+def test_removal_during_an_async_save_waits_for_it(tmp_path, trained, slow_writes):
+    module, opt = trained
+    old = save(tmp_path / "old.ckpt", module, opt, step=1)
+    slow_writes(0.3)
+    writer = CheckpointWriter(async_save=True)
+    writer.save(tmp_path / "new.ckpt", dcp_state(module, opt), {}, global_step=2)
+    writer.remove(old)  # what ModelCheckpoint does right after starting the new save
+    assert old.is_dir(), "the last complete checkpoint must survive until the new one is complete"
+    writer.wait()
+    assert not old.exists() and verify_checkpoint(tmp_path / "new.ckpt")
+
+
+def test_failed_async_write_raises_and_keeps_older_checkpoints(tmp_path, trained, slow_writes):
+    module, opt = trained
+    old = save(tmp_path / "old.ckpt", module, opt, step=1)
+    slow_writes(0.0, fail=True)
+    writer = CheckpointWriter(async_save=True)
+    writer.save(tmp_path / "new.ckpt", dcp_state(module, opt), {}, global_step=2)
+    writer.remove(old)
+    with pytest.raises(RuntimeError, match="disk full"):
+        writer.wait()
+    assert verify_checkpoint(old)
+    assert not (tmp_path / "new.ckpt" / MANIFEST_NAME).exists()
+    assert writer.in_flight is None
+    writer.close()
+
+
+def test_overwrite_drops_stale_files_and_never_writes_through_a_link(tmp_path, trained):
+    module, opt = trained
+    target = save(tmp_path / "step=1.ckpt", module, opt, step=1)
+    target_manifest = (target / MANIFEST_NAME).read_text()
+    os.symlink("step=1.ckpt", tmp_path / "last.ckpt")
+    save(tmp_path / "last.ckpt", module, opt, step=2)  # Lightning's save_last=True reuses the name
+    assert not (tmp_path / "last.ckpt").is_symlink()
+    assert (target / MANIFEST_NAME).read_text() == target_manifest
+    (tmp_path / "last.ckpt" / "__7_0.distcp").write_bytes(b"stale shard of a bigger world")
+    save(tmp_path / "last.ckpt", module, opt, step=3)
+    assert not (tmp_path / "last.ckpt" / "__7_0.distcp").exists()
+    assert verify_checkpoint(tmp_path / "last.ckpt").global_step == 3
+
+
+def test_rng_state_is_saved_per_rank_and_restored(ckpt):
+    def draw():
+        return torch.rand(4), random.random(), float(np.random.rand())
+
+    rng.restore_rng_state(json.loads(rng.rng_file(ckpt, 0).read_text()))
+    expected = draw()
+    draw(), draw()  # the streams move on...
+    rng.apply_rank_rng(*rng.load_rank_rng(ckpt, rank=0, saved_ranks=1))  # ...and are put back
+    got = draw()
+    assert torch.equal(expected[0], got[0]) and expected[1:] == got[1:]
+
+
+def test_ranks_beyond_the_saved_ones_get_distinct_deterministic_seeds(ckpt):
+    assert rng.load_rank_rng(ckpt, rank=0, saved_ranks=1)[0] is not None
+    (s1, seed1), (_, seed2), (_, seed1_again) = (rng.load_rank_rng(ckpt, r, saved_ranks=1) for r in (1, 2, 1))
+    assert s1 is None and seed1 == seed1_again and seed1 != seed2
+    rng.apply_rank_rng(None, seed1)
+    a = torch.rand(3)
+    rng.apply_rank_rng(None, seed1)
+    assert torch.equal(a, torch.rand(3))
+    assert rng.load_rank_rng(ckpt, rank=0, saved_ranks=0) == (None, None)
+
+
+def test_saving_over_a_directory_that_is_not_a_checkpoint_refuses(tmp_path, trained):
+    module, opt = trained
+    precious = tmp_path / "experiments"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="is not a checkpoint directory.*new path"):
+        save(precious, module, opt)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert verify_checkpoint(save(empty, module, opt))  # an empty directory is fine
