@@ -144,7 +144,7 @@ def selective_context_fn(
     recomputed, whatever happened in other blocks or steps. Counting is split between forward
     and recomputation because older torch versions consult the policy again while recomputing
     (``ctx.is_recompute=True``); each pass must see the same sequence 1, 2, 3, ... to make the
-    same choices. (torch >= 2.10 consults it in forward only and replays the choices by index.)
+    same choices. (torch 2.13 consults it in forward only and replays those choices by index.)
     """
     every_other = recompute_matmuls == "every_other"
 

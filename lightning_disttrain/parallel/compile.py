@@ -69,7 +69,8 @@ class Recompile:
     function: str
     """The recompiled function, ``name (file:line)``."""
     reason: str
-    """Dynamo's guard failure, e.g. ``tensor 'x' size mismatch at index 1. expected 512, actual 384``."""
+    """Dynamo's guard failure, e.g. ``tensor 'x' size mismatch at index 1. expected 512,
+    actual 384``."""
     compile_id: str
     """Dynamo's id, ``frame/attempt`` (``0/1``: frame 0's second compile)."""
     limit_hit: bool = False
@@ -115,7 +116,8 @@ class RecompileWatcher:
             if m.recompile_reason is None:
                 continue  # a first compile (or the backward graph of one) is expected
             limit_hit = "recompile limit" in (m.fail_reason or "")
-            where = f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})" if m.co_name else "a function"
+            where = (f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})" if m.co_name
+                     else "a function")
             found.append(Recompile(function=where, reason=m.recompile_reason,
                                    compile_id=str(m.compile_id), limit_hit=limit_hit))
         self.recompiles.extend(found)

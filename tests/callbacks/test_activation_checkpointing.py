@@ -214,7 +214,8 @@ print("RANK_OK", trainer.global_rank)
 def test_under_fsdp2_on_two_cpu_processes(tmp_path):
     script = tmp_path / "fsdp2_ac.py"
     script.write_text(_FSDP2_SCRIPT.format(test_dir=os.path.dirname(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
