@@ -138,6 +138,14 @@ def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+def reshard(module: nn.Module) -> None:
+    """Free the parameters that units which do not reshard after forward (the root, the last
+    block, ZeRO-2) still hold gathered. Backward normally does that; a forward without backward
+    (validation, test, predict) leaves them gathered until the next training step."""
+    for m in fsdp_modules(module):
+        m.reshard()
+
+
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     """Turn FSDP's gradient reduce-scatter (and HSDP's all-reduce) on or off for every unit.
 

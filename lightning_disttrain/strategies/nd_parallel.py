@@ -65,6 +65,7 @@ from lightning_disttrain.parallel.fsdp import (
     fsdp_root,
     has_meta_tensors,
     mp_policy_for_precision,
+    reshard,
     set_gradient_sync,
 )
 from lightning_disttrain.parallel.mesh import ParallelDims
@@ -196,7 +197,9 @@ class _NDParallelBase(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         # Validate here, at Trainer construction, so a bad layout fails before processes are launched.
-        self._parallel_dims = self._make_parallel_dims(self.world_size)
+        dims = self._make_parallel_dims(self.world_size)
+        if dims != self._parallel_dims:  # a later validate/test keeps the dims and their meshes
+            self._parallel_dims, self._device_mesh = dims, None
 
     @override
     def _configure_launcher(self) -> None:
@@ -356,6 +359,21 @@ class _NDParallelBase(ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    @override
+    def on_validation_end(self) -> None:
+        # Evaluation runs forward only, so nothing reshards the units that keep their parameters
+        # gathered for the backward; without this they would stay gathered into the next
+        # training steps (and for test/predict, until the end of the run).
+        reshard(self.lightning_module)
+
+    @override
+    def on_test_end(self) -> None:
+        reshard(self.lightning_module)
+
+    @override
+    def on_predict_end(self) -> None:
+        reshard(self.lightning_module)
 
     # -- collectives ------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ RUNS = {
     "hsdp": ("hsdp", 1),
     "fsdp2_meta": ("fsdp2_meta", 1),     # empty_init: configure_model on the meta device
     "fsdp2_compile": ("fsdp2_compile", 1),  # compile=True path (eager backend: no C++ toolchain)
+    "fsdp2_bf16": ("fsdp2", 1),          # precision="bf16-mixed": bf16 compute, fp32 reduction
 }
 
 # Count FSDP's reduce-scatters: it calls torch.distributed.reduce_scatter_single for each unit's
@@ -111,11 +112,14 @@ class RecordedGPT(GPTModule):
         self.norms_after.append(_grad_norm(self.model))
 
     def train_dataloader(self):
+        return self._loader(dataset())
+
+    def _loader(self, ds):
         # Our own DistributedSampler from the strategy's distributed_sampler_kwargs (the thing under
         # test): Lightning's injected one always shuffles training data, a single process does not.
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
-        sampler = DistributedSampler(dataset(), shuffle=False, **kwargs) if kwargs else None
-        return DataLoader(dataset(), batch_size=self.micro_batch, sampler=sampler, shuffle=False)
+        sampler = DistributedSampler(ds, shuffle=False, **kwargs) if kwargs else None
+        return DataLoader(ds, batch_size=self.micro_batch, sampler=sampler, shuffle=False)
 
     def step_losses(self, accumulate: int) -> list[float]:
         """Mean over the data-parallel ranks (all-reduce) and over each step's micro-batches."""
@@ -166,12 +170,17 @@ def fit_run(run: str, devices: int) -> dict:
     probe = TransformProbe()
     trainer = L.Trainer(callbacks=[probe],
         strategy=_strategy(strategy_name), devices=devices, accelerator="cpu", num_nodes=1,
+        precision="bf16-mixed" if run == "fsdp2_bf16" else "32-true",
         max_steps=STEPS, accumulate_grad_batches=accumulate, gradient_clip_val=CLIP,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0)
+        num_sanity_val_steps=0)
     model.micro_batch = micro
     trainer.fit(model)
+    # A second stage with the same Trainer and module: the strategy keeps its mesh and sharding.
+    val_set = TensorDataset(*(t[: 2 * GLOBAL_BATCH] for t in dataset().tensors))
+    val = trainer.validate(model, dataloaders=model._loader(val_set), verbose=False)
     result = {
+        "val_loss": val[0]["val/loss"],
         "losses": model.step_losses(accumulate),
         "norms_before": model.norms_before,
         "norms_after": model.norms_after,
@@ -185,6 +194,9 @@ def fit_run(run: str, devices: int) -> dict:
 
         w = model.model.blocks[0].attn.wq.weight
         result.update(
+            # after trainer.validate: the units that keep parameters gathered for backward must
+            # have been resharded, or evaluation would leave them gathered
+            sharded_after_validate=all(isinstance(p, DTensor) for p in model.parameters()),
             reduce_scatters=_REDUCE_SCATTERS[0],
             fsdp_units=sum(isinstance(m, FSDPModule) for m in model.modules()),
             sampler=strategy.distributed_sampler_kwargs,

@@ -14,7 +14,7 @@ from dist_utils import read_ranks, run_lightning_script
 
 HERE = Path(__file__).parent
 TOL = 1e-5
-TWO_RANK_RUNS = ["fsdp2", "fsdp2_zero2", "fsdp2_accum4", "fsdp2_meta", "fsdp2_compile"]
+TWO_RANK_RUNS = ["fsdp2", "fsdp2_zero2", "fsdp2_accum4", "fsdp2_meta", "fsdp2_compile", "fsdp2_bf16"]
 FOUR_RANK_RUNS = ["fsdp2", "hsdp"]
 
 
@@ -43,6 +43,8 @@ def assert_matches(ranks, single):
         assert r["optimizer_steps"] == worker.STEPS
         assert r["losses"] == pytest.approx(single["losses"], abs=TOL), f"rank {rank}"
         assert r["norms_before"] == pytest.approx(single["norms_before"], rel=TOL), f"rank {rank}"
+        # trainer.validate after fit: same module, same strategy, sharded evaluation of the global set
+        assert r["val_loss"] == pytest.approx(single["val_loss"], abs=TOL), f"rank {rank}"
 
 
 @pytest.mark.parametrize("run", ["fsdp2", "fsdp2_zero2"])
@@ -69,6 +71,7 @@ def test_layout_and_sampler(two, four):
             assert (r["placements"], r["mesh_dims"], r["local_rows"]) == (placements, mesh, rows), run
             assert r["lightning_module_mesh"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
             assert not r["root_is_lightning_module"]  # GPTModule.model owns every parameter
+            assert r["sharded_after_validate"]
 
 
 def test_gradient_accumulation_4x1_equals_1x4_and_skips_reduce_scatter(two, single):
@@ -105,6 +108,13 @@ def test_transforms_run_in_stage_order(two):
 def test_compile_stage(two, single):
     assert_matches(two["fsdp2_compile"], single)
     assert all(r["compiled_blocks"] == 2 for r in two["fsdp2_compile"])
+
+
+def test_bf16_mixed_trains_close_to_fp32(two, single):
+    for r in two["fsdp2_bf16"]:
+        assert r["transform_log"][0][2] == "bf16-mixed"  # the FSDP policy is derived from it
+        assert r["losses"] == pytest.approx(single["losses"], abs=3e-2)
+        assert r["losses"] == two["fsdp2_bf16"][0]["losses"]
 
 
 def test_meta_init_equals_single_process_meta_build(two):
