@@ -362,6 +362,10 @@ def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: l
     set_model_state_dict(module, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
 
     saved_optimizers = sorted(k for k in keys if k.startswith("optimizer_"))
+    if optimizers and not saved_optimizers:
+        raise ValueError(f"checkpoint {str(path)!r} holds model weights only (saved with save_weights_only=True?), "
+                         f"so training cannot resume from it; resume from a full checkpoint, or start a new run "
+                         f"from these weights: export_consolidated(...) then load_consolidated_into(...)")
     if optimizers and len(saved_optimizers) != len(optimizers):
         raise ValueError(f"checkpoint {str(path)!r} holds {len(saved_optimizers)} optimizer state(s), "
                          f"this run configures {len(optimizers)}; return the same optimizers from "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 
 import numpy as np
@@ -62,20 +63,31 @@ def test_optimizer_count_mismatch_names_the_fix(ckpt):
         load_sharded(ckpt, fresh, opts, Comm())
 
 
-def test_async_save_writes_the_manifest_only_after_the_files(tmp_path, trained, slow_writes):
-    slow_writes(0.5)
+def test_async_save_writes_the_manifest_only_after_the_files(tmp_path, trained, monkeypatch):
+    # The (real) file write starts in the background and then waits for the test's go-ahead: if
+    # `save` blocked on the write, it could not return before `release` is set.
+    started, release = threading.Event(), threading.Event()
+    original = filesystem._FileSystemWriter.write_data
+
+    def gated(self, plan, planner):
+        started.set()
+        release.wait(timeout=30)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(filesystem._FileSystemWriter, "write_data", gated)
     module, opt = trained
     writer = CheckpointWriter(async_save=True)
     t0 = time.perf_counter()
     writer.save(tmp_path / "a.ckpt", dcp_state(module, opt), {"global_step": 2}, global_step=2)
-    returned_after = time.perf_counter() - t0
-    assert returned_after < 0.5  # staged to memory and handed to the background thread
+    assert time.perf_counter() - t0 < 15, "save waited for the file write"
+    assert started.wait(timeout=15) and not release.is_set()
     assert writer.in_flight == tmp_path / "a.ckpt"
     assert not (tmp_path / "a.ckpt" / MANIFEST_NAME).exists()
     assert not (tmp_path / "a.ckpt" / ".metadata").exists()
     # Training goes on and changes the weights in place; the checkpoint keeps the staged values.
     before = {k: v.clone() for k, v in module.state_dict().items()}
     train_a_bit(module, steps=1, seed=9)
+    release.set()
     manifest = writer.wait()
     assert manifest is not None and manifest.extra["async_save"] is True
     assert verify_checkpoint(tmp_path / "a.ckpt").global_step == 2

@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import (  # noqa: E402
-    IndexedData,
+    build_data,
     Recorder,
     build_module,
     build_strategy,
@@ -66,7 +66,7 @@ def cmd_train(args) -> tuple[int, dict]:
     if args.every:
         callbacks.append(_checkpointing(args.ckpt_dir, args.every, args.top_k))
     trainer = _trainer(args, strategy, args.steps, callbacks)
-    trainer.fit(build_module(total_steps=args.total_steps), datamodule=IndexedData())
+    trainer.fit(build_module(total_steps=args.total_steps), datamodule=build_data(args.data))
     return trainer.global_rank, {
         "losses": rec.losses, "samples": rec.samples, "probes": rec.probes, "save_seconds": durations,
         "strategy": strategy_kind(strategy), "world_size": trainer.world_size}
@@ -88,7 +88,7 @@ def cmd_resume(args) -> tuple[int, dict]:
             callbacks.append(_checkpointing(job["last_dir"], 2, 2))
         trainer = _trainer(args, strategy, job["steps"], callbacks)
         module = build_module(total_steps=job.get("total_steps", 12))
-        data = IndexedData()
+        data = build_data(args.data)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -148,6 +148,7 @@ def main() -> None:
     p.add_argument("--logits", action="store_true", help="save logits on a fixed input after training")
     p.add_argument("--dump-state", action="store_true", help="save the full state after training")
     p.add_argument("--jobs", default=None)
+    p.add_argument("--data", required=True, help="directory of token shards (harness.write_indexed_shard)")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rank, result = cmd_train(args) if args.command == "train" else cmd_resume(args)

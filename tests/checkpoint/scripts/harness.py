@@ -13,7 +13,6 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_disttrain.checkpoint.dcp_io import unwrap_optimizer
 from lightning_disttrain.module import GPTModule
@@ -85,64 +84,40 @@ def build_module(total_steps: int = 12) -> GPTModule:
                schedule="cosine", warmup_steps=3, max_steps=total_steps)
 
 
-# ---- data: global sample i is decodable from its first two tokens ----------------------------
+# ---- data: the project's TokenDataModule over a synthetic shard ---------------------------------
+# Window w of the shard starts with tokens (w % 256, w // 256), so a batch tells which global
+# samples it holds; the order of windows is TokenDataModule's seeded global-sample order.
+
+DATA_SEED = 1337
 
 
-class IndexedTokens(Dataset):
-    def __len__(self) -> int:
-        return N_SAMPLES
+def write_indexed_shard(directory: str | Path, n_windows: int = N_SAMPLES) -> Path:
+    from lightning_disttrain.data.shards import write_shard
 
-    def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(10_000 + i)
-        seq = torch.randint(0, VOCAB, (SEQ_LEN + 1,), generator=g)
-        seq[0], seq[1] = i % 256, i // 256
-        return seq[:-1], seq[1:]
+    g = torch.Generator().manual_seed(10_000)
+    tokens = torch.randint(0, VOCAB, (n_windows * SEQ_LEN + 1,), generator=g)
+    w = torch.arange(n_windows)
+    tokens[w * SEQ_LEN], tokens[w * SEQ_LEN + 1] = w % 256, w // 256
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return write_shard(Path(directory) / "indexed_train_000000.bin", tokens.numpy().astype("uint16"))
 
 
 def sample_ids(x: torch.Tensor) -> list[int]:
     return (x[:, 0] + 256 * x[:, 1]).tolist()
 
 
-class GlobalOrderSampler(Sampler):
-    """Global sample g (g = 0, 1, ...) is dataset index perm[g]; step s on rank r of w takes
-    g = start + s·w·B + r·B + j. The position is global, so it survives a change of world size."""
+def expected_windows(start: int, count: int) -> list[int]:
+    """The windows of global samples [start, start + count) in TokenDataModule's order."""
+    from lightning_disttrain.data.sampling import global_windows
 
-    def __init__(self, start: int, rank: int, world: int, batch: int) -> None:
-        self.start, self.rank, self.world, self.batch = start, rank, world, batch
-        self.perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(5)).tolist()
-
-    def __len__(self) -> int:
-        return (N_SAMPLES - self.start) // (self.world * self.batch) * self.batch
-
-    def __iter__(self):
-        for s in range(len(self) // self.batch):
-            for j in range(self.batch):
-                yield self.perm[self.start + s * self.world * self.batch + self.rank * self.batch + j]
+    return global_windows(DATA_SEED, start, count, N_SAMPLES).tolist()
 
 
-class IndexedData(L.LightningDataModule):
-    """Deterministic, stateful: ``state_dict`` is the global sample position."""
+def build_data(data_dir: str):
+    from lightning_disttrain.data import TokenDataModule
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._base, self._base_step, self._world = 0, 0, 1
-
-    def _dp(self) -> tuple[int, int]:
-        kw = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        return int(kw.get("rank", self.trainer.global_rank)), int(kw.get("num_replicas", self.trainer.world_size))
-
-    def train_dataloader(self) -> DataLoader:
-        rank, self._world = self._dp()
-        self._base_step = self.trainer.global_step  # loops are restored by now
-        sampler = GlobalOrderSampler(self._base, rank, self._world, MICRO_BATCH)
-        return DataLoader(IndexedTokens(), batch_size=MICRO_BATCH, sampler=sampler, num_workers=0)
-
-    def state_dict(self) -> dict:
-        consumed = self._base + (self.trainer.global_step - self._base_step) * self._world * MICRO_BATCH
-        return {"consumed": consumed}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._base = int(state_dict["consumed"])
+    return TokenDataModule(source=str(data_dir), tokenizer="bytes", seq_len=SEQ_LEN, batch_size=MICRO_BATCH,
+                           val_batches=0, seed=DATA_SEED)
 
 
 # ---- recording ---------------------------------------------------------------------------------
