@@ -67,7 +67,8 @@ def test_cli_exports_the_latest_complete(tmp_path, trained, capsys):
     with pytest.warns(UserWarning, match="truncated"):
         out = export_main([str(tmp_path / "ckpts"), str(tmp_path / "m.pt"), "--latest"])
     assert "step=1.ckpt" in capsys.readouterr().out
-    assert set(load_consolidated(out)) == set(GPT(GPTConfig.from_name("tiny", vocab_size=VOCAB, n_layer=2)).state_dict())
+    expected = GPT(GPTConfig.from_name("tiny", vocab_size=VOCAB, n_layer=2)).state_dict()
+    assert set(load_consolidated(out)) == set(expected)
     with pytest.raises(CheckpointVerificationError, match="truncated"):
         export_main([str(newest), str(tmp_path / "bad.pt")])
     with pytest.raises(SystemExit):

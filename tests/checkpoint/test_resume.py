@@ -46,7 +46,8 @@ def _launch(out: Path, *args: str, devices: int = 2, timeout: float = 240) -> li
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, str(SCRIPTS / "ckpt_run.py"), *args, "--out", str(out), "--devices", str(devices)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, (f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
 
 

@@ -173,3 +173,30 @@ def test_saving_over_a_directory_that_is_not_a_checkpoint_refuses(tmp_path, trai
     empty = tmp_path / "empty"
     empty.mkdir()
     assert verify_checkpoint(save(empty, module, opt))  # an empty directory is fine
+
+
+def test_hybrid_optimizer_parts_round_trip(tmp_path, trained):
+    # GPTModule's Muon option: one HybridOptimizer whose `.optimizers` DCP gets as a list.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from lightning_disttrain.checkpoint.dcp_io import unwrap_optimizer
+    from lightning_disttrain.optim import build_optimizer
+
+    module, _ = trained
+    hybrid = build_optimizer(module, "muon", lr=1e-3, muon_lr=0.02)
+    parts = unwrap_optimizer(hybrid)
+    assert len(parts) == 2 and isinstance(parts[0], torch.optim.Muon)
+    x = torch.randint(0, 257, (2, 16))
+    module.model(x).float().square().mean().backward()
+    hybrid.step()
+    state = {"state_dict": module.state_dict(), "optimizer_0": get_optimizer_state_dict(module, parts)}
+    CheckpointWriter().save(tmp_path / "h.ckpt", state, {})
+    fresh = Wrapper(seed=4)
+    fresh_parts = unwrap_optimizer(build_optimizer(fresh, "muon", lr=1e-3, muon_lr=0.02))
+    load_sharded(tmp_path / "h.ckpt", fresh, [fresh_parts], Comm())
+    _assert_same(module, fresh)
+    for old, new in zip(parts, fresh_parts):
+        for p, q in zip((p for g in old.param_groups for p in g["params"]),
+                        (q for g in new.param_groups for q in g["params"])):
+            for key, value in old.state[p].items():
+                assert torch.equal(value, new.state[q][key]), key

@@ -3,8 +3,8 @@
 Lightning's subprocess launcher re-runs this script once per rank. Every rank writes
 ``OUT/rank{r}.json``; the test reads them.
 
-    python ckpt_run.py train  --out OUT --devices 2 --steps 12 --ckpt-dir DIR [--async-save] ...
-    python ckpt_run.py resume --out OUT --devices 2 --jobs JOBS.json
+    python ckpt_run.py train  --data SHARDS --out OUT --devices 2 --steps 12 --ckpt-dir DIR [--async-save] ...
+    python ckpt_run.py resume --data SHARDS --out OUT --devices 2 --jobs JOBS.json
 
 ``resume`` runs several fits in one process (one per job in JOBS.json: resume from a path or
 "last", or expect a failure); each records its losses, sample ids or error message.
@@ -40,8 +40,8 @@ from harness import (  # noqa: E402
 
 def _trainer(args, strategy, steps: int, callbacks: list) -> L.Trainer:
     return L.Trainer(strategy=strategy, devices=args.devices, accelerator="cpu", max_steps=steps,
-                     callbacks=callbacks, logger=False,
-                     enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
+                     callbacks=callbacks, logger=False, enable_progress_bar=False,
+                     enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
                      enable_model_summary=False, use_distributed_sampler=False,
                      num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=args.out)
 
