@@ -25,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_disttrain.strategies  # noqa: E402,F401  (registers fsdp2 / fsdp2_zero2 / hsdp)
 from dist_utils import write_rank_json  # noqa: E402
 from lightning_disttrain.module import GPTModule  # noqa: E402
-from lightning_disttrain.strategies import FSDP2Strategy  # noqa: E402
+from lightning_disttrain.models.gpt import GPT  # noqa: E402
+from lightning_disttrain.parallel.plan import ParallelPlan  # noqa: E402
+from lightning_disttrain.strategies import FSDP2Strategy, NDParallelStrategy  # noqa: E402
 
 GLOBAL_BATCH = 8
 STEPS = 8
@@ -36,6 +38,7 @@ MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=2, mlp_hidden=128, block_
 
 # name -> (strategy, accumulate_grad_batches); the per-rank micro-batch follows from GLOBAL_BATCH.
 RUNS = {
+    "flat_fsdp2": ("fsdp2", 1),          # FlatGPT: no submodule owns every parameter
     "single": ("auto", 1),
     "fsdp2": ("fsdp2", 1),
     "fsdp2_zero2": ("fsdp2_zero2", 1),
@@ -44,6 +47,8 @@ RUNS = {
     "fsdp2_meta": ("fsdp2_meta", 1),     # empty_init: configure_model on the meta device
     "fsdp2_compile": ("fsdp2_compile", 1),  # compile=True path (eager backend: no C++ toolchain)
     "fsdp2_bf16": ("fsdp2", 1),          # precision="bf16-mixed": bf16 compute, fp32 reduction
+    "ddp_like": ("ddp_like", 1),         # dp_replicate=N, dp_shard=1: FSDP2 only all-reduces
+    "fsdp2_reshard2": ("fsdp2_reshard2", 1),  # reshard_after_forward=2: to pairs of ranks (4 ranks)
 }
 
 # Count FSDP's reduce-scatters: it calls torch.distributed.reduce_scatter_single for each unit's
@@ -97,8 +102,11 @@ class RecordedGPT(GPTModule):
         self.initial_checksum: list[float] | None = None
         self.micro_batch = GLOBAL_BATCH
 
+    def _net(self) -> torch.nn.Module:
+        return self.model
+
     def on_fit_start(self) -> None:
-        self.initial_checksum = weights_checksum(self.model)
+        self.initial_checksum = weights_checksum(self._net())
         _REDUCE_SCATTERS[0] = 0
 
     def training_step(self, batch, batch_idx):
@@ -107,9 +115,9 @@ class RecordedGPT(GPTModule):
         return loss
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        self.norms_before.append(_grad_norm(self.model))
+        self.norms_before.append(_grad_norm(self._net()))
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        self.norms_after.append(_grad_norm(self.model))
+        self.norms_after.append(_grad_norm(self._net()))
 
     def train_dataloader(self):
         return self._loader(dataset())
@@ -131,7 +139,44 @@ class RecordedGPT(GPTModule):
         return losses.view(-1, accumulate).mean(dim=1).tolist()
 
 
+class FlatGPT(RecordedGPT):
+    """The GPT's parts as direct attributes of the LightningModule, so FSDP's root is the
+    LightningModule itself; ``training_step`` calls the parts directly (not ``self(...)``), which
+    only works if the strategy enters it through ``__call__``; validation calls ``self(x)``."""
+
+    def configure_model(self) -> None:
+        if getattr(self, "blocks", None) is not None:
+            return
+        gpt = GPT(self.config)  # the same RNG draws as GPTModule's build: the same initial weights
+        self.wte, self.wpe, self.blocks, self.ln_f, self.lm_head = gpt.wte, gpt.wpe, gpt.blocks, gpt.ln_f, gpt.lm_head
+
+    def _net(self) -> torch.nn.Module:
+        return self
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan(blocks=self.blocks)
+
+    def forward(self, x):
+        h = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(self.ln_f(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
+        for block in self.blocks:
+            h = block(h)
+        loss = self.loss_fn(self.lm_head(self.ln_f(h)), y)
+        self.micro_losses.append(loss.detach().clone())
+        return loss
+
+
 def _strategy(name: str):
+    if name == "ddp_like":
+        return NDParallelStrategy(dp_replicate=2, dp_shard=1)
+    if name == "fsdp2_reshard2":
+        return FSDP2Strategy(reshard_after_forward=2)
     if name == "fsdp2_meta":
         return FSDP2Strategy(empty_init=True)
     if name == "fsdp2_compile":
@@ -166,7 +211,7 @@ def fit_run(run: str, devices: int) -> dict:
     strategy_name, accumulate = RUNS[run]
     micro = GLOBAL_BATCH // (devices * accumulate)
     L.seed_everything(0)
-    model = RecordedGPT()
+    model = FlatGPT() if run.startswith("flat") else RecordedGPT()
     probe = TransformProbe()
     trainer = L.Trainer(callbacks=[probe],
         strategy=_strategy(strategy_name), devices=devices, accelerator="cpu", num_nodes=1,
@@ -189,10 +234,11 @@ def fit_run(run: str, devices: int) -> dict:
         "optimizer_steps": trainer.global_step,
     }
     strategy = trainer.strategy
-    if isinstance(strategy, FSDP2Strategy):
+    if isinstance(strategy, NDParallelStrategy):
         from torch.distributed.fsdp import FSDPModule
 
-        w = model.model.blocks[0].attn.wq.weight
+        blocks = model._net().blocks
+        w = blocks[0].attn.wq.weight
         result.update(
             # after trainer.validate: the units that keep parameters gathered for backward must
             # have been resharded, or evaluation would leave them gathered
@@ -208,7 +254,7 @@ def fit_run(run: str, devices: int) -> dict:
             root_is_lightning_module=strategy._root_is_lightning_module,
             transform_log=probe.records,
             transform_names=strategy.transforms.names(),
-            compiled_blocks=sum(getattr(b, "_compiled_call_impl", None) is not None for b in model.model.blocks),
+            compiled_blocks=sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks),
             clip_fn=getattr(trainer.precision_plugin.clip_grad_by_norm, "__qualname__", ""),
         )
     return result
