@@ -16,9 +16,8 @@ What runs when (Lightning 2.6, ``Trainer._run``), and what this strategy does at
 6. Training: non-final micro-batches of gradient accumulation run inside ``block_backward_sync``,
    which turns FSDP's gradient reduction off; gradient clipping goes through ``clip_grad_norm_``.
 
-Checkpointing (DCP) is not here: it comes from ``DCPCheckpointMixin`` (``checkpointing.py``), which
-reads ``parallel_dims``, ``device_mesh``, ``async_save``, ``lightning_module``, ``optimizers``,
-``barrier()``, ``global_rank`` and ``world_size`` from this class.
+Checkpointing (DCP, ``restore_checkpoint_after_setup``) comes from ``DCPCheckpointMixin``; it reads
+``parallel_dims``, ``device_mesh``, ``async_save``, ``optimizers`` and the usual ranks from here.
 """
 
 from __future__ import annotations
@@ -185,11 +184,6 @@ class _NDParallelBase(ParallelStrategy):
         # Data-parallel rank, not the global one: TP/PP/CP ranks of one replica read the same samples.
         dims = self.parallel_dims
         return {"num_replicas": dims.dp_size, "rank": dims.dp_rank}
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # sharded states can only be loaded into the already sharded model
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -363,17 +357,11 @@ class _NDParallelBase(ParallelStrategy):
     @override
     def on_validation_end(self) -> None:
         # Evaluation runs forward only, so nothing reshards the units that keep their parameters
-        # gathered for the backward; without this they would stay gathered into the next
-        # training steps (and for test/predict, until the end of the run).
+        # gathered for the backward; they would stay gathered into the next training steps (or,
+        # after test/predict, to the end of the run).
         reshard(self.lightning_module)
 
-    @override
-    def on_test_end(self) -> None:
-        reshard(self.lightning_module)
-
-    @override
-    def on_predict_end(self) -> None:
-        reshard(self.lightning_module)
+    on_test_end = on_predict_end = on_validation_end
 
     # -- collectives ------------------------------------------------------------------------
 
