@@ -1,0 +1,373 @@
+"""MFUMonitor: tokens/s, achieved TFLOP/s, MFU, step time, data wait and peak memory, per step.
+
+What one "step" is: one optimizer step. With gradient accumulation its micro-batches are summed
+(tokens, FLOPs, compute and fetch time) and its time runs from the end of the previous optimizer
+step to the end of this one, so it includes the optimizer and everything between batches.
+Validation inside ``fit`` is subtracted from the step it interrupts.
+
+What is measured, per step (all host clocks; with ``sync_cuda`` the GPU is drained at the end of
+every optimizer step, so the step time is the GPU's too):
+
+- ``data wait``: time blocked in the training loop's ``next()`` on the dataloader. Lightning times
+  exactly that call as its profiler action ``[_TrainingEpochLoop].train_dataloader_next``; the
+  monitor wraps the Trainer's profiler (delegating everything to it) to read that one span. A gap
+  between ``on_train_batch_end`` and the next ``on_train_batch_start`` would also count
+  checkpoint saving, logging and other callbacks as "waiting for data".
+- ``compute``: ``on_train_batch_start`` to ``on_train_batch_end`` of each micro-batch: forward,
+  backward, optimizer and, on several GPUs, the collectives inside them (FSDP, DDP): on the host
+  they cannot be told apart from compute.
+- the rest (``1 - data_wait - compute``): loop overhead, other callbacks, checkpoints, logging.
+
+FLOPs are the model's (``pl_module.flops_per_token(seq_len)``, or ``flops_per_token=``): the
+PaLM / Chinchilla count 6·N + 12·L·H·Dh·T per token, with no discount for the causal mask (what
+the hardware is asked to do with SDPA's causal kernels is not counted; the convention is shared
+by PaLM, nanoGPT and torchtitan, so MFUs compare). For MoE models that count must use the
+*active* parameters per token. Achieved FLOP/s per device = FLOPs per token x global tokens/s /
+world size; MFU = that / the device's dense peak (``peak_flops``: the bf16 figure, the fp8 one when
+Float8Training is active, a measured fp32 matmul on CPU).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.profilers import Profiler
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_disttrain.callbacks.peak_flops import chip_of, measure_cpu_peak_flops
+
+FETCH_ACTION = "train_dataloader_next"
+
+
+class _FetchTimingProfiler(Profiler):
+    """The Trainer's profiler, unchanged, plus a clock on the training dataloader's ``next()``."""
+
+    def __init__(self, inner: Profiler) -> None:
+        # No Profiler.__init__: files, streams and state stay the wrapped profiler's.
+        self.inner = inner
+        self.fetch_s = 0.0
+        self._t0: float | None = None
+
+    def start(self, action_name: str) -> None:
+        if action_name.endswith(FETCH_ACTION):
+            self._t0 = time.perf_counter()
+        self.inner.start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        self.inner.stop(action_name)
+        if action_name.endswith(FETCH_ACTION) and self._t0 is not None:
+            self.fetch_s += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def summary(self) -> str:
+        return self.inner.summary()
+
+    def describe(self) -> None:
+        self.inner.describe()
+
+    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
+        self.inner.setup(stage, local_rank=local_rank, log_dir=log_dir)
+
+    def teardown(self, stage: str | None) -> None:
+        self.inner.teardown(stage)
+
+    def __getattr__(self, name: str) -> Any:  # dirpath, filename, ... of the wrapped profiler
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __del__(self) -> None:
+        pass  # the wrapped profiler tears itself down
+
+
+@dataclass
+class _Step:
+    time_s: float
+    tokens: int
+    """Global tokens of the step (all micro-batches, all data-parallel ranks)."""
+    flops: float
+    """Global model FLOPs of the step."""
+    fetch_s: float
+    compute_s: float
+    micro_tokens: int
+    """Tokens of one micro-batch on this rank (the largest of the step)."""
+
+
+def count_tokens(batch: Any) -> tuple[int, int]:
+    """(tokens, sequence length) of a batch: ``x`` of ``(x, y)``, a tensor, or a dict's ``input_ids``."""
+    x = batch
+    if isinstance(batch, (tuple, list)) and batch:
+        x = batch[0]
+    elif isinstance(batch, dict):
+        x = next((batch[k] for k in ("input_ids", "x", "idx", "tokens") if k in batch), None)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"MFUMonitor cannot find the token ids in a batch of type {type(batch).__name__}; "
+                         f"pass MFUMonitor(tokens_fn=lambda batch: (n_tokens, seq_len))")
+    return x.numel(), int(x.shape[-1])
+
+
+def diagnose(data_wait_frac: float, compute_frac: float, world_size: int, micro_tokens: int,
+             device_type: str, data_wait_threshold: float = 0.2, small_batch_tokens: int = 8192
+             ) -> list[tuple[str, str]]:
+    """``(cause, advice)`` for a low MFU from the measured step breakdown, most likely first."""
+    causes = []
+    if data_wait_frac >= data_wait_threshold:
+        causes.append(("dataloader", f"{data_wait_frac:.0%} of step time is spent waiting for the next batch; "
+                       f"raise DataLoader num_workers / prefetch_factor, use pin_memory, pre-tokenize the data"))
+    other = 1.0 - data_wait_frac - compute_frac
+    if other >= 0.3:
+        causes.append(("host overhead", f"{other:.0%} of step time is outside the training step and the "
+                       f"dataloader (logging, checkpointing, callbacks)"))
+    if world_size > 1 and data_wait_frac < data_wait_threshold:
+        causes.append(("communication", f"on {world_size} devices with little data wait ({data_wait_frac:.0%}) "
+                       f"the step likely waits on collectives (FSDP all-gather / reduce-scatter, gradient "
+                       f"all-reduce); check the interconnect, FSDP prefetch and reshard_after_forward, or use HSDP"))
+    if micro_tokens < small_batch_tokens:
+        causes.append(("small batch", f"{micro_tokens} tokens per device per micro-batch under-fill the device; "
+                       f"raise the batch size or the sequence length"))
+    if not causes:
+        causes.append(("kernel efficiency", "the step is compute-bound but slow; compile the blocks (strategy "
+                       "compile=True), train in bf16-mixed, look for graph breaks"))
+    if device_type == "cpu":
+        causes.append(("cpu", "on CPU the peak is a measured fp32 matmul, which small shapes and non-matmul "
+                       "ops stay far below"))
+    return causes
+
+
+class MFUMonitor(Callback):
+    """Log throughput and model FLOPs utilisation through the Trainer's loggers under ``perf/``.
+
+    Keys (averaged over the last ``window`` optimizer steps): ``perf/tokens_per_sec`` (global),
+    ``perf/tokens_per_sec_per_device``, ``perf/tflops_per_device``, ``perf/mfu`` (a fraction),
+    ``perf/peak_tflops``, ``perf/step_time_s``, ``perf/data_wait_frac``, ``perf/compute_frac``, and
+    ``perf/peak_mem_gib`` (CUDA ``max_memory_allocated``) or, on CPU, ``perf/peak_rss_gib`` (the
+    process's peak resident memory: it includes everything the process holds, not only tensors).
+
+    Args:
+        window: optimizer steps averaged per logged value, and the span the low-MFU check looks at.
+        peak_flops: the device's peak FLOP/s; None looks it up by device name (dense bf16, or fp8
+            when Float8Training is active) or measures it on CPU.
+        warn_below: warn, with the likely cause, when MFU over a full window after warm-up is
+            below this (0 turns the warning off).
+        flops_per_token: training FLOPs per token, a number or ``fn(seq_len)``; None uses the
+            LightningModule's ``flops_per_token(seq_len)`` method or attribute.
+        warmup_steps: optimizer steps (compilation, allocator warm-up) before the check may fire.
+        log_every_n_steps: None: the Trainer's ``log_every_n_steps``.
+        tokens_fn: ``batch -> (tokens on this rank, seq_len)``; default: ``x`` of an ``(x, y)`` batch.
+        sync_cuda: synchronise CUDA at the end of each optimizer step so host clocks time the GPU.
+    """
+
+    def __init__(self, window: int = 20, peak_flops: float | None = None, warn_below: float = 0.30,
+                 flops_per_token: float | Callable[[int], float] | None = None, warmup_steps: int = 3,
+                 log_every_n_steps: int | None = None,
+                 tokens_fn: Callable[[Any], tuple[int, int]] | None = None, sync_cuda: bool = True,
+                 data_wait_threshold: float = 0.2, small_batch_tokens: int = 8192) -> None:
+        if window < 1 or warmup_steps < 0:
+            raise ValueError(f"MFUMonitor(window={window}, warmup_steps={warmup_steps}): use window >= 1 "
+                             f"and warmup_steps >= 0")
+        if peak_flops is not None and peak_flops <= 0:
+            raise ValueError(f"peak_flops={peak_flops} must be a positive FLOP/s figure, e.g. 989.4e12")
+        self.window, self.warn_below, self.warmup_steps = window, warn_below, warmup_steps
+        self.log_every_n_steps, self.sync_cuda = log_every_n_steps, sync_cuda
+        self.data_wait_threshold, self.small_batch_tokens = data_wait_threshold, small_batch_tokens
+        self._peak_arg, self._flops_arg, self._tokens_fn = peak_flops, flops_per_token, tokens_fn or count_tokens
+        self.peak: float | None = None
+        """Peak FLOP/s per device in use (None: unknown, MFU not logged)."""
+        self.peak_source = ""
+        """Where ``peak`` came from: ``user``, ``table: <chip> <dtype> dense`` or ``measured: ...``."""
+        self.metrics: dict[str, float] = {}
+        """The last values logged."""
+        self.warnings: list[str] = []
+        """Low-MFU warnings issued in this run."""
+        self._steps: deque[_Step] = deque(maxlen=window)
+        self._fetch: _FetchTimingProfiler | None = None
+
+    # ---- set-up --------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not isinstance(trainer.profiler, _FetchTimingProfiler):
+            self._fetch = _FetchTimingProfiler(trainer.profiler)
+            trainer.profiler = self._fetch
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._fetch is not None and trainer.profiler is self._fetch:
+            trainer.profiler = self._fetch.inner  # before the Trainer's profiler.describe()
+        self._fetch = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flops_fn = self._resolve_flops(pl_module)
+        self._flops_cache: dict[int, float] = {}
+        self._world = trainer.world_size
+        self._dp = _data_parallel_size(trainer)
+        self._device = pl_module.device
+        self.peak, self.peak_source = self._resolve_peak(trainer, pl_module)
+        if self.peak is not None:
+            rank_zero_info(f"MFUMonitor: peak {self.peak / 1e12:.1f} TFLOP/s per device ({self.peak_source})")
+
+    def _resolve_flops(self, pl_module: pl.LightningModule) -> Callable[[int], float]:
+        src = self._flops_arg if self._flops_arg is not None else getattr(pl_module, "flops_per_token", None)
+        if src is None:
+            raise ValueError(f"MFUMonitor needs the model's training FLOPs per token: define "
+                             f"flops_per_token(seq_len) on {type(pl_module).__name__} (GPTModule has it) or pass "
+                             f"MFUMonitor(flops_per_token=6 * n_params + ...)")
+        if callable(src):
+            return lambda seq_len: float(src(seq_len))
+        value = float(src)
+        return lambda seq_len: value
+
+    def _resolve_peak(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[float | None, str]:
+        if self._peak_arg is not None:
+            return float(self._peak_arg), "user"
+        device = pl_module.device
+        if device.type == "cpu":
+            return measure_cpu_peak_flops(), "measured: fp32 matmul micro-benchmark on CPU"
+        if device.type != "cuda":
+            rank_zero_warn(f"MFUMonitor has no peak FLOP/s for {device.type!r} devices; MFU is not logged. "
+                           f"Pass MFUMonitor(peak_flops=...)")
+            return None, ""
+        name = torch.cuda.get_device_name(device)
+        peak, source = table_peak(name, float8=_float8_active(trainer, pl_module))
+        if peak is None:
+            rank_zero_warn(f"MFUMonitor: {source}; MFU is not logged. Pass MFUMonitor(peak_flops=...) "
+                           f"(FLOP/s per device)")
+        return peak, source
+
+    # ---- per batch -----------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._steps.clear()
+        self._last_global_step = trainer.global_step
+        self._steps_seen = 0
+        self._warned: set[str] = set()
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._reset_step(time.perf_counter())
+
+    def _reset_step(self, now: float) -> None:
+        self._t_step = now
+        self._fetch_mark = self._fetch.fetch_s if self._fetch is not None else 0.0
+        self._tokens = self._micro_tokens = 0
+        self._flops = self._compute_s = self._val_s = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._t_batch = time.perf_counter()
+        tokens, seq_len = self._tokens_fn(batch)
+        if seq_len not in self._flops_cache:
+            self._flops_cache[seq_len] = self._flops_fn(seq_len)
+        self._tokens += tokens * self._dp
+        self._flops += tokens * self._dp * self._flops_cache[seq_len]
+        self._micro_tokens = max(self._micro_tokens, tokens)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        stepped = trainer.global_step != self._last_global_step
+        if stepped and self.sync_cuda and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        now = time.perf_counter()
+        self._compute_s += now - self._t_batch
+        if not stepped:
+            return  # a micro-batch of gradient accumulation: the optimizer step is still to come
+        self._last_global_step = trainer.global_step
+        fetch = (self._fetch.fetch_s if self._fetch is not None else 0.0) - self._fetch_mark
+        self._steps.append(_Step(time_s=max(now - self._t_step - self._val_s, 1e-9), tokens=self._tokens,
+                                 flops=self._flops, fetch_s=fetch, compute_s=self._compute_s,
+                                 micro_tokens=self._micro_tokens))
+        self._steps_seen += 1
+        self._reset_step(now)
+        self.metrics = self._window_metrics()
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if trainer.global_step % max(every, 1) == 0:
+            for logger in trainer.loggers:
+                # Lightning logs this optimizer step's train/loss at step global_step - 1: same row.
+                logger.log_metrics(self.metrics, step=trainer.global_step - 1)
+        self._check_low_mfu()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t_val = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._val_s += time.perf_counter() - self._t_val
+
+    # ---- metrics -------------------------------------------------------------------------
+
+    def _window_metrics(self) -> dict[str, float]:
+        steps = list(self._steps)
+        total_s = sum(s.time_s for s in steps)
+        tokens_per_s = sum(s.tokens for s in steps) / total_s
+        flops_per_device = sum(s.flops for s in steps) / total_s / self._world
+        m = {
+            "perf/tokens_per_sec": tokens_per_s,
+            "perf/tokens_per_sec_per_device": tokens_per_s / self._world,
+            "perf/tflops_per_device": flops_per_device / 1e12,
+            "perf/step_time_s": total_s / len(steps),
+            "perf/data_wait_frac": sum(s.fetch_s for s in steps) / total_s,
+            "perf/compute_frac": min(sum(s.compute_s for s in steps) / total_s, 1.0),
+        }
+        if self.peak is not None:
+            m["perf/mfu"] = flops_per_device / self.peak
+            m["perf/peak_tflops"] = self.peak / 1e12
+        if self._device.type == "cuda":
+            m["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated(self._device) / 2**30
+        else:
+            # ru_maxrss is KiB on Linux, bytes on macOS.
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+            m["perf/peak_rss_gib"] = rss / 2**30
+        return m
+
+    def _check_low_mfu(self) -> None:
+        mfu = self.metrics.get("perf/mfu")
+        full_window = self._steps_seen >= self.warmup_steps + self.window
+        if mfu is None or not full_window or mfu >= self.warn_below:
+            return
+        m = self.metrics
+        causes = diagnose(m["perf/data_wait_frac"], m["perf/compute_frac"], self._world,
+                          max(s.micro_tokens for s in self._steps), self._device.type,
+                          self.data_wait_threshold, self.small_batch_tokens)
+        if causes[0][0] in self._warned:
+            return  # warn again only when the likely cause changes
+        self._warned.add(causes[0][0])
+        message = (f"MFU {mfu:.1%} over the last {self.window} steps is below {self.warn_below:.0%} "
+                   f"(peak {self.peak_source}); likely cause: {causes[0][0]}: {causes[0][1]}"
+                   + "".join(f"; also {c}: {advice}" for c, advice in causes[1:]))
+        self.warnings.append(message)
+        rank_zero_warn(message)
+
+
+def table_peak(device_name: str, float8: bool = False) -> tuple[float | None, str]:
+    """(peak FLOP/s, where it came from) for a CUDA device: the dense fp8 figure when float8
+    matmuls are in use, else the dense bf16 one; (None, why) when the table has no figure."""
+    dtype = "fp8" if float8 else "bf16"
+    chip = chip_of(device_name)
+    peak = None if chip is None else (chip.fp8 if float8 else chip.bf16)
+    if peak is None:
+        return None, f"no dense {dtype} peak known for {device_name!r}"
+    return peak, f"table: {chip.chip} {dtype} dense"
+
+
+def _data_parallel_size(trainer: pl.Trainer) -> int:
+    try:
+        kwargs = trainer.strategy.distributed_sampler_kwargs
+    except (AttributeError, RuntimeError):
+        kwargs = None
+    if kwargs and "num_replicas" in kwargs:
+        return int(kwargs["num_replicas"])
+    return trainer.world_size
+
+
+def _float8_active(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    from lightning_disttrain.callbacks.float8 import Float8Training
+    from lightning_disttrain.parallel.float8 import has_float8
+
+    return any(isinstance(c, Float8Training) for c in trainer.callbacks) or has_float8(pl_module)
