@@ -5,6 +5,7 @@ starts the other ranks. Compared per optimizer step over 8 steps: the loss avera
 global batch, the gradient norm (every gradient gathered whole), the norm after clipping.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,15 @@ FOUR_RANK_RUNS = ["fsdp2", "hsdp", "fsdp2_reshard2"]
 
 @pytest.fixture(scope="module")
 def single():
-    return worker.fit_run("single", devices=1)
+    # In this process: seed_everything sets PL_GLOBAL_SEED, which must not leak into other tests.
+    saved = os.environ.get("PL_GLOBAL_SEED")
+    try:
+        return worker.fit_run("single", devices=1)
+    finally:
+        if saved is None:
+            os.environ.pop("PL_GLOBAL_SEED", None)
+        else:
+            os.environ["PL_GLOBAL_SEED"] = saved
 
 
 @pytest.fixture(scope="module")
