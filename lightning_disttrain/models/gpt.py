@@ -11,7 +11,7 @@ activation checkpointing recomputes, ``torch.compile`` compiles and the pipeline
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -109,23 +109,25 @@ class GPTConfig:
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"GPTConfig has no field(s) {sorted(unknown)}")
-        return replace(PRESETS[name], **overrides)
+        # From the preset's own fields, so derived ones (n_kv_head, mlp_hidden) follow overrides.
+        return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-PRESETS: dict[str, GPTConfig] = {
+PRESETS: dict[str, dict] = {
     # GPT-2's published shapes (Radford et al. 2019, table 2; sizes as counted by HF/nanoGPT).
-    "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-774m": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-1558m": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-774m": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-1558m": dict(n_layer=48, n_head=25, n_embd=1600),
     # CPU sizes: about 0.8M and 10.6M parameters in the blocks (the embedding adds
     # vocab x n_embd: small with the byte tokenizer, large with GPT-2's 50,257 tokens).
-    "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=256),
-    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=512),
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),
+    "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=512),
 }
+"""Preset name -> the GPTConfig fields it sets (the rest keep their defaults)."""
 
 
 def _norm(config: GPTConfig, dim: int | None = None) -> nn.Module:

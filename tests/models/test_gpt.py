@@ -36,6 +36,12 @@ def test_cpu_preset_sizes():
     assert 9e6 < small.num_params() < 12e6
 
 
+def test_preset_overrides_rederive_dependent_fields():
+    c = GPTConfig.from_name("tiny", n_head=2, n_embd=64)
+    assert c.n_kv_head == 2 and c.mlp_hidden == 256
+    assert GPTConfig.from_name("tiny", mlp="swiglu").mlp_hidden == 384  # 8/3 * 128 rounded to 64
+
+
 def test_unknown_preset_and_bad_shapes():
     with pytest.raises(ValueError, match="unknown GPT preset 'gpt5'.*choose one of"):
         GPTConfig.from_name("gpt5")
