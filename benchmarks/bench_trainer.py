@@ -84,9 +84,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (1: stable timings on a shared 2-core machine)")
     p.add_argument("--log-dir", default="benchmarks/out/trainer")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     ds = make_data(args.warmup + args.steps, args.batch, args.seq, args.vocab)
     plain, lit = [], []
     for r in range(args.repeats):

@@ -137,6 +137,7 @@ class _NDParallelBase(ParallelStrategy):
             self.transforms.register("compile", compile_transform({} if compile is True else dict(compile)),
                                      name="compile_blocks")
         self.transforms.register("fsdp", self._fsdp_transform, name="fsdp2")
+        self._recompile_watcher = None
 
     # -- degrees and mesh -------------------------------------------------------------------
 
@@ -264,9 +265,19 @@ class _NDParallelBase(ParallelStrategy):
         ctx = TransformContext(device=self.root_device, mesh=self.device_mesh, dims=dims,
                                precision=None if precision is None else str(precision))
         self.transforms.apply_all(module, ctx)
+        if self.transforms.has("compile"):
+            from lightning_disttrain.parallel.compile import RecompileWatcher
+
+            self._recompile_watcher = RecompileWatcher()  # warns when shapes change between steps
         if sharded_init:
             self._materialize(module)
         self.model_to_device()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._recompile_watcher is not None and self.lightning_module is not None:
+            self._recompile_watcher.check(step=self.lightning_module.trainer.global_step)
+        super().on_train_batch_start(batch, batch_idx)
 
     def _fsdp_transform(self, module: nn.Module, ctx: TransformContext) -> None:
         """The ``fsdp`` stage: ``fully_shard`` per block and plan group, then the root."""

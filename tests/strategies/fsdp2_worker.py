@@ -255,6 +255,7 @@ def fit_run(run: str, devices: int) -> dict:
             transform_log=probe.records,
             transform_names=strategy.transforms.names(),
             compiled_blocks=sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks),
+            recompile_watcher=strategy._recompile_watcher is not None,
             clip_fn=getattr(trainer.precision_plugin.clip_grad_by_norm, "__qualname__", ""),
         )
     return result

@@ -133,6 +133,8 @@ def test_transforms_run_in_stage_order(two):
 def test_compile_stage(two, single):
     assert_matches(two["fsdp2_compile"], single)
     assert all(r["compiled_blocks"] == 2 for r in two["fsdp2_compile"])
+    assert all(r["recompile_watcher"] for r in two["fsdp2_compile"])  # polled every training batch
+    assert not any(r["recompile_watcher"] for r in two["fsdp2"])
 
 
 def test_bf16_mixed_trains_close_to_fp32(two, single):
