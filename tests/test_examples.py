@@ -1,0 +1,20 @@
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_existing_project_example_trains_under_fsdp2_with_callbacks(tmp_path):
+    # A LightningModule with no plan and no lightning-disttrain imports, on 2 gloo processes.
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "existing_project.py"), "--devices", "2", "--strategy", "fsdp2",
+         "--max-steps", "12", "--out", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=400, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    loss = float(re.search(r"final train_loss ([0-9.]+)", out.stdout).group(1))
+    assert loss < 4.5  # from ln(256) = 5.55 at initialisation
+    metrics = next(tmp_path.glob("lightning_logs/version_*/metrics.csv")).read_text()
+    assert "perf/mfu" in metrics and "perf/tokens_per_sec" in metrics
