@@ -212,7 +212,7 @@ class MFUMonitor(Callback):
         self._device = pl_module.device
         self.peak, self.peak_source = self._resolve_peak(trainer, pl_module)
         if self.peak is not None:
-            rank_zero_info(f"MFUMonitor: peak {self.peak / 1e12:.1f} TFLOP/s per device ({self.peak_source})")
+            rank_zero_info(f"MFUMonitor: peak {self.peak / 1e12:.4g} TFLOP/s per device ({self.peak_source})")
 
     def _resolve_flops(self, pl_module: pl.LightningModule) -> Callable[[int], float]:
         src = self._flops_arg if self._flops_arg is not None else getattr(pl_module, "flops_per_token", None)

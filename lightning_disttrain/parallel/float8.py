@@ -290,7 +290,7 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _train(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float,
-           device: torch.device, autocast_dtype: torch.dtype | None,
+           warmup_steps: int, clip: float | None, device: torch.device, autocast_dtype: torch.dtype | None,
            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[list[float], float]:
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses: list[float] = []
@@ -300,6 +300,12 @@ def _train(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
             loss = loss_fn(model(x), y)
         loss.backward()
+        # Warm-up and clipping as in pre-training: without them early loss spikes, which land on
+        # different steps in the two runs, dominate the gap instead of float8's rounding.
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / max(warmup_steps, 1))
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
@@ -314,6 +320,8 @@ def compare_float8_to_baseline(
     steps: int = 20,
     recipe: str = "tensorwise",
     lr: float = 1e-3,
+    warmup_steps: int = 0,
+    clip_grad_norm: float | None = 1.0,
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None | str = "auto",
     options: Float8Options | None = None,
@@ -323,7 +331,8 @@ def compare_float8_to_baseline(
 ) -> Float8Comparison:
     """Train ``model_factory()`` twice for ``steps`` AdamW steps, cycling through ``batches``
     ``(x, y)``: once as built (the baseline), once with its Linears in float8; same seed, same
-    initial weights, same data. Returns both loss curves and ``gap_pct``.
+    initial weights, same data, linear warm-up over ``warmup_steps`` then constant ``lr``,
+    gradients clipped to ``clip_grad_norm`` (None: off). Returns both loss curves and ``gap_pct``.
 
     ``autocast_dtype="auto"``: bf16 autocast on CUDA (what float8 replaces in practice); on CPU no
     autocast, i.e. an fp32 baseline (CPU bf16 matmuls are slower than fp32 ones, and fp32 is the
@@ -342,17 +351,20 @@ def compare_float8_to_baseline(
         torch.manual_seed(seed)
         return model_factory().to(device)
 
-    base_losses, base_s = _train(build(), batches, steps, lr, device, autocast_dtype, loss_fn)
+    train = dict(steps=steps, lr=lr, warmup_steps=warmup_steps, clip=clip_grad_norm, device=device,
+                 autocast_dtype=autocast_dtype, loss_fn=loss_fn)
+    base_losses, base_s = _train(build(), batches, **train)
     model = build()
     converted = convert_to_float8(model, options, device=device)
     if not converted:
         raise ValueError("no Linear of the model qualifies for float8 (dimensions divisible by 16, not a "
                          "head/router); nothing to compare")
-    fp8_losses, fp8_s = _train(model, batches, steps, lr, device, autocast_dtype, loss_fn)
+    fp8_losses, fp8_s = _train(model, batches, **train)
     return Float8Comparison(
         recipe=options.recipe,
         baseline="fp32" if autocast_dtype is None else f"{_SHORT_DTYPE.get(autocast_dtype, autocast_dtype)}-autocast",
         baseline_losses=base_losses, float8_losses=fp8_losses, converted=converted, tail=tail,
         baseline_s_per_step=base_s, float8_s_per_step=fp8_s,
         notes={"device": str(device), "emulated": options.emulate if options.emulate is not None
-               else device.type == "cpu", "steps": steps, "lr": lr, "seed": seed})
+               else device.type == "cpu", "steps": steps, "lr": lr, "warmup_steps": warmup_steps,
+               "clip_grad_norm": clip_grad_norm, "seed": seed})

@@ -1,0 +1,246 @@
+"""One-GPU throughput check: MFU of gpt2-124m, and the float8 speedup on gpt2-774m.
+
+Sections (each timed on its own; a failing one is reported and the next still runs):
+
+1. ``mfu``: gpt2-124m, seq 1024, bf16 autocast, per-block ``torch.compile``, fused AdamW,
+   synthetic tokens. Step time = wall time of ``--steps`` steps after ``--warmup`` steps, with
+   the GPU drained before and after; MFU = ``flops_per_token(1024)`` x tokens/s / the dense bf16
+   peak of the device (``lightning_disttrain.callbacks.peak_flops``).
+2. ``mfu_lightning``: the same model through ``Trainer`` + ``GPTModule`` + ``MFUMonitor``: what the
+   callback reports, to compare with (1) (Lightning's loop, logging and the callback's per-step
+   sync cost a little).
+3. ``fp8``: gpt2-774m, same shape and compile, bf16 vs Float8Training's swap (tensorwise); the
+   speedup is the ratio of tokens/s. MFU of both is given against the *bf16* peak so the two
+   compare; against the fp8 peak the float8 run's MFU would be about half.
+
+Prints a compact table; with ``$OUT`` set (or ``--out``) writes ``gpu_bench.json`` there after every
+section, so a timeout still leaves what was measured.
+
+    python benchmarks/gpu_bench.py            # on a GPU (see gpu.sh)
+    python benchmarks/gpu_bench.py --smoke    # CPU, tiny shapes: exercises every code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_disttrain.callbacks.peak_flops import chip_of, measure_cpu_peak_flops
+from lightning_disttrain.models.gpt import GPT, GPTConfig
+from lightning_disttrain.parallel.compile import apply_compile
+from lightning_disttrain.parallel.float8 import Float8Options, convert_to_float8
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bf16_peak(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        chip = chip_of(name)
+        if chip is None:
+            raise SystemExit(f"{name!r} is not in the peak table; add it to callbacks/peak_flops.py")
+        return chip.bf16, f"{chip.chip} bf16 dense (table)"
+    return measure_cpu_peak_flops(), "CPU fp32 matmul (measured)"
+
+
+def train_loop(preset: str, *, device: torch.device, batch: int, seq: int, warmup: int, steps: int,
+               float8: bool, compile: bool, vocab: int | None, peak: float) -> dict[str, Any]:
+    """Build, optionally swap to float8 and compile, then time ``steps`` training steps."""
+    torch.manual_seed(0)
+    overrides = {"block_size": seq} | ({"vocab_size": vocab} if vocab else {})
+    cfg = GPTConfig.from_name(preset, **overrides)
+    with torch.device(device):
+        model = GPT(cfg)
+    n_fp8 = len(convert_to_float8(model, Float8Options(recipe="tensorwise"), device=device)) if float8 else 0
+    if compile:
+        apply_compile(model.blocks, dynamic=False)  # stage order: dtype, then compile
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    inputs, targets = x[:, :-1], x[:, 1:]
+    use_autocast = device.type == "cuda"
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    step()  # compiles
+    _sync(device)
+    compile_s = time.perf_counter() - t0
+    for _ in range(max(warmup - 1, 0)):
+        step()
+    _sync(device)
+    graphs = _compiled_graphs()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    _sync(device)
+    step_s = (time.perf_counter() - t0) / steps
+    recompiles = _compiled_graphs() - graphs  # should be 0: a recompile inside the timing is slow
+    tokens_per_s = batch * seq / step_s
+    tflops = model.flops_per_token(seq) * tokens_per_s / 1e12
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    precision = "bf16" if use_autocast else "fp32"
+    if float8:
+        precision = f"fp8 tensorwise{'' if device.type == 'cuda' else ' (emul.)'}"
+    return {"model": preset, "precision": precision, "batch": batch, "seq": seq, "recompiles_timed": recompiles,
+            "float8_linears": n_fp8, "step_ms": 1e3 * step_s, "tokens_per_s": tokens_per_s,
+            "tflops": tflops, "mfu_bf16_peak": tflops * 1e12 / peak, "peak_mem_gib": mem,
+            "first_step_s": compile_s, "final_loss": float(loss.detach()), "compiled": compile}
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def with_oom_retry(loop, batch: int, **kwargs) -> dict[str, Any]:
+    """Run ``loop``; on CUDA OOM halve the batch once (the table then shows the batch used)."""
+    try:
+        return loop(batch=batch, **kwargs)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return loop(batch=batch // 2, **kwargs)
+
+
+def lightning_mfu(preset: str, *, device: torch.device, batch: int, seq: int, warmup: int, steps: int,
+                  compile: bool, vocab: int | None) -> dict[str, Any]:
+    """MFUMonitor's view of the same run, through the Trainer."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_disttrain.callbacks import MFUMonitor
+    from lightning_disttrain.module import GPTModule
+
+    class CompileBlocks(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            if compile:
+                apply_compile(pl_module.model.blocks, dynamic=False)
+
+    torch.manual_seed(0)
+    overrides = {"block_size": seq}
+    module = GPTModule(preset, vocab_size=vocab, model_overrides=overrides, warmup_steps=0)
+    n = batch * (warmup + steps)
+    tokens = torch.randint(0, module.config.vocab_size, (n, seq + 1))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, pin_memory=device.type == "cuda")
+    monitor = MFUMonitor(window=steps, warmup_steps=warmup, log_every_n_steps=1, warn_below=0.0)
+    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=warmup + steps,
+                         precision="bf16-mixed" if device.type == "cuda" else "32-true", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[CompileBlocks(), monitor])
+    trainer.fit(module, train_dataloaders=loader)
+    m = monitor.metrics
+    return {"model": preset, "precision": f"{trainer.precision} (Trainer)", "batch": batch, "seq": seq,
+            "step_ms": 1e3 * m["perf/step_time_s"], "tokens_per_s": m["perf/tokens_per_sec"],
+            "tflops": m["perf/tflops_per_device"], "mfu_bf16_peak": m.get("perf/mfu", float("nan")),
+            "data_wait_frac": m["perf/data_wait_frac"], "peak_source": monitor.peak_source,
+            "peak_mem_gib": m.get("perf/peak_mem_gib", float("nan"))}
+
+
+def _row(r: dict[str, Any]) -> str:
+    return (f"{r['section']:<14} {r['model']:<10} {r['precision']:<23} {r['batch']:>3}x{r['seq']:<5} "
+            f"{r['step_ms']:>9.1f} {r['tokens_per_s']:>12,.0f} {r['tflops']:>8.1f} {100 * r['mfu_bf16_peak']:>7.1f} "
+            f"{r['peak_mem_gib']:>8.1f}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, few steps: checks the code paths")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_bench.json (default $OUT)")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--sections", nargs="+", default=["mfu", "mfu_lightning", "fp8"])
+    args = p.parse_args(argv)
+
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.smoke:
+        raise SystemExit("no CUDA device; run with --smoke to check the code paths on CPU")
+    torch.set_float32_matmul_precision("high")
+    if args.smoke:  # the two model slots at CPU size; vocab of the byte tokenizer
+        small, large, vocab, seq = "tiny", "tiny", 257, 64
+        shape = dict(seq=seq, warmup=2, steps=2)
+        batches = {"mfu": 2, "fp8": 2}
+    else:
+        small, large, vocab, seq = "gpt2-124m", "gpt2-774m", None, 1024
+        shape = dict(seq=seq, warmup=10, steps=30)
+        batches = {"mfu": 16, "fp8": 16}
+    compile = not args.no_compile
+    peak, peak_source = bf16_peak(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": name,
+                              "torch": torch.__version__, "peak_flops": peak, "peak_source": peak_source,
+                              "smoke": args.smoke, "results": [], "errors": {}}
+    print(f"# gpu_bench {report['date']}  device {name}  torch {torch.__version__}  "
+          f"peak {peak / 1e12:.4g} TFLOP/s ({peak_source})  compile {compile}")
+
+    def run(section: str, fn, **kwargs) -> dict[str, Any] | None:
+        t0 = time.perf_counter()
+        torch._dynamo.reset()  # each section compiles its own graphs, static shapes
+        try:
+            r = fn(**kwargs)
+        except Exception as e:  # report and go on: one broken section must not hide the others
+            report["errors"][section] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+            print(f"# {section}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            r = None
+        else:
+            r["section"], r["wall_s"] = section, time.perf_counter() - t0
+            report["results"].append(r)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+                json.dump(report, f, indent=1)
+        return r
+
+    common = dict(device=device, compile=compile, vocab=vocab, peak=peak)
+    if "mfu" in args.sections:
+        run("mfu", with_oom_retry, loop=train_loop, preset=small, batch=batches["mfu"], float8=False, **shape, **common)
+    if "mfu_lightning" in args.sections:
+        run("mfu_lightning", lightning_mfu, preset=small, batch=batches["mfu"], device=device, compile=compile,
+            vocab=vocab, **shape)
+    fp8 = {}
+    if "fp8" in args.sections:
+        fp8_shape = dict(shape, warmup=min(shape["warmup"], 8), steps=min(shape["steps"], 20))
+        for float8 in (False, True):
+            fp8[float8] = run("fp8", with_oom_retry, loop=train_loop, preset=large, batch=batches["fp8"],
+                              float8=float8, **fp8_shape, **common)
+    if fp8.get(False) and fp8.get(True):
+        if fp8[False]["batch"] != fp8[True]["batch"]:
+            report["errors"]["fp8_speedup"] = "bf16 and fp8 ran different batch sizes (OOM retry)"
+        report["fp8_speedup"] = fp8[True]["tokens_per_s"] / fp8[False]["tokens_per_s"]
+
+    header = (f"{'section':<14} {'model':<10} {'precision':<23} {'shape':>9} {'step ms':>9} {'tokens/s':>12} "
+              f"{'TFLOP/s':>8} {'MFU %':>7} {'mem GiB':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in report["results"]:
+        print(_row(r))
+    if "fp8_speedup" in report:
+        print(f"# fp8 speedup ({large}, tokens/s fp8 / {fp8[False]['precision']}): {report['fp8_speedup']:.3f}x")
+    print(f"# MFU % against the {peak_source} peak for every row (fp8 rows too, so rows compare); "
+          f"first-step (compile) s: " + ", ".join(f"{r['section']}/{r['precision']}: {r.get('first_step_s', 0):.0f}"
+                                                 for r in report["results"] if "first_step_s" in r))
+    if report["errors"]:
+        print(f"# errors in: {', '.join(report['errors'])}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
