@@ -13,7 +13,7 @@ import sys
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
-import lightning_disttrain  # noqa: F401  (registers strategy names, exposes classes to class_path)
+import lightning_disttrain  # noqa: F401  (registers strategy names; callbacks importable by class_path)
 
 _TOOLS = {
     "prepare": ("lightning_disttrain.data.prepare", "prepare_main", "tokenize text into llm.c .bin shards"),
@@ -32,14 +32,6 @@ class DistTrainCLI(LightningCLI):
         super().__init__(L.LightningModule, L.LightningDataModule, *args, **kwargs)
 
 
-def _import_lazy_parts() -> None:
-    # Make callbacks/strategies importable by short class name in YAML; tolerate parts not built.
-    import importlib
-
-    for name in ("lightning_disttrain.strategies", "lightning_disttrain.callbacks", "lightning_disttrain.data"):
-        importlib.import_module(name)
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _TOOLS:
@@ -53,7 +45,6 @@ def main(argv: list[str] | None = None) -> None:
         for name, (_, _, doc) in _TOOLS.items():
             print(f"  {name:9s} {doc}")
         print("  fit, validate, test, predict: LightningCLI subcommands (lightning-disttrain fit --help)\n")
-    _import_lazy_parts()
     DistTrainCLI(args=argv)
 
 

@@ -1,8 +1,15 @@
-"""Callbacks for any Lightning project: activation checkpointing, float8, MFU, samples, ..."""
+"""Callbacks for any Lightning project: activation checkpointing, float8, MFU, samples.
+
+Each works under lightning-disttrain's strategies (registering its model transform with the
+strategy, which applies it at its place in the fixed order) and under any other strategy.
+"""
 
 from lightning_disttrain.callbacks.activation_checkpointing import SelectiveActivationCheckpointing
-from lightning_disttrain.callbacks.sample import SampleGeneration
 from lightning_disttrain.callbacks.float8 import Float8Training
 from lightning_disttrain.callbacks.mfu import MFUMonitor
+from lightning_disttrain.callbacks.sample import SampleGeneration
+
 # Last, after mfu imported the submodule: the package name `peak_flops` is the function.
-from lightning_disttrain.callbacks.peak_flops import peak_flops
+from lightning_disttrain.callbacks.peak_flops import peak_flops  # noqa: E402
+
+__all__ = ["Float8Training", "MFUMonitor", "SampleGeneration", "SelectiveActivationCheckpointing", "peak_flops"]

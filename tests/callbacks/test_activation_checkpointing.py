@@ -171,16 +171,6 @@ def test_cli_yaml_class_path(tmp_path):
     assert all(checkpoint_config_of(b).policy == "selective" for b in cli.model.model.blocks)
 
 
-def _fsdp2_registered() -> bool:
-    try:
-        import lightning_disttrain.strategies  # noqa: F401  (registers the names)
-    except Exception:
-        return False
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    return "fsdp2" in StrategyRegistry
-
-
 _FSDP2_SCRIPT = """
 import sys, torch, lightning.pytorch as pl
 sys.path.insert(0, {test_dir!r})
@@ -210,7 +200,6 @@ print("RANK_OK", trainer.global_rank)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _fsdp2_registered(), reason="the fsdp2 strategy is not registered yet")
 def test_under_fsdp2_on_two_cpu_processes(tmp_path):
     script = tmp_path / "fsdp2_ac.py"
     script.write_text(_FSDP2_SCRIPT.format(test_dir=os.path.dirname(__file__)))

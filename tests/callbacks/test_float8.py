@@ -258,17 +258,6 @@ def test_cli_yaml_class_path(tmp_path):
 
 # ---- fsdp2 on two CPU processes --------------------------------------------------------------
 
-
-def _fsdp2_registered() -> bool:
-    try:
-        import lightning_disttrain.strategies  # noqa: F401  (registers the names)
-    except Exception:
-        return False
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    return "fsdp2" in StrategyRegistry
-
-
 _FSDP2_SCRIPT = """
 import json, sys, torch, lightning.pytorch as pl
 sys.path.insert(0, {test_dir!r})
@@ -304,7 +293,6 @@ with open(f"{{out}}/float8.rank{{trainer.global_rank}}.json", "w") as f:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _fsdp2_registered(), reason="the fsdp2 strategy is not registered yet")
 def test_under_fsdp2_weights_are_gathered_in_float8_and_training_matches_one_process(tmp_path):
     script = tmp_path / "fsdp2_float8.py"
     script.write_text(_FSDP2_SCRIPT.format(test_dir=str(Path(__file__).parent)))

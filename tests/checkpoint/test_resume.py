@@ -240,10 +240,7 @@ def test_export_loads_into_a_new_sharded_run(runs):
 
 
 def test_nd_parallel_strategy_inherits_the_mixin():
-    try:
-        from lightning_disttrain.strategies.nd_parallel import NDParallelStrategy
-    except ImportError:
-        pytest.skip("NDParallelStrategy not written yet")
+    from lightning_disttrain.strategies.nd_parallel import NDParallelStrategy
     from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
 
     assert issubclass(NDParallelStrategy, DCPCheckpointMixin), (
