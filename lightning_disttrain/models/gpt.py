@@ -323,7 +323,8 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6·N + 12·L·H·Dh·T (PaLM appendix B, causal mask not credited).
 
         N counts the matmul weights a token passes through: every non-embedding parameter plus the
-        head at its padded size (the head matmul runs over the padded rows).
+        head at its padded size (the head matmul runs over the padded rows). A mixture-of-experts
+        model must count only the experts a token is routed to (active parameters), not all.
         """
         c = self.config
         T = seq_len or c.block_size
