@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import lightning.pytorch as pl
 import pytest
@@ -18,6 +17,8 @@ from lightning_disttrain.callbacks import SelectiveActivationCheckpointing
 from lightning_disttrain.module import GPTModule
 from lightning_disttrain.parallel.activation import checkpoint_config_of
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
+
+from cli_fit import fit_from_yaml
 
 VOCAB = 101
 N_LAYER = 4  # the "tiny" preset
@@ -137,34 +138,9 @@ def test_invalid_options_fail_at_construction():
 
 
 def test_cli_yaml_class_path(tmp_path):
-    from lightning_disttrain.cli import DistTrainCLI
-
-    config = tmp_path / "fit.yaml"
-    config.write_text(textwrap.dedent(f"""\
-        seed_everything: 0
-        trainer:
-          accelerator: cpu
-          devices: 1
-          max_steps: 2
-          logger: false
-          enable_checkpointing: false
-          enable_progress_bar: false
-          enable_model_summary: false
-          default_root_dir: {tmp_path}
-          callbacks:
-            - class_path: lightning_disttrain.callbacks.SelectiveActivationCheckpointing
-              init_args:
-                policy: selective
-                recompute_matmuls: every_other
-        model:
-          class_path: lightning_disttrain.module.GPTModule
-          init_args:
-            config: tiny
-            vocab_size: {VOCAB}
-        data:
-          class_path: {RandomTokenData.__module__}.RandomTokenData
-        """))
-    cli = DistTrainCLI(args=["fit", "--config", str(config)])
+    cli = fit_from_yaml(tmp_path, {"class_path": "lightning_disttrain.callbacks.SelectiveActivationCheckpointing",
+                                   "init_args": {"policy": "selective", "recompute_matmuls": "every_other"}},
+                        RandomTokenData, VOCAB)
     [cb] = [c for c in cli.trainer.callbacks if isinstance(c, SelectiveActivationCheckpointing)]
     assert cb.config.recompute_matmuls == "every_other"
     assert cli.trainer.global_step == 2

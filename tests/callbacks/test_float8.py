@@ -4,7 +4,6 @@ a registry strategy, the CLI, and fsdp2 on two CPU processes (float8 emulated on
 from __future__ import annotations
 
 import sys
-import textwrap
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -26,7 +25,9 @@ from lightning_disttrain.parallel.float8 import (
 )
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/dist_utils.py
+# Also imported by the 2-rank scripts below, outside pytest: make tests/ importable there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli_fit import fit_from_yaml  # noqa: E402
 from dist_utils import read_ranks, run_lightning_script  # noqa: E402
 
 VOCAB = 256  # a multiple of 16, so the head would qualify on shape alone: excluded by rule
@@ -223,34 +224,9 @@ def test_registers_at_the_dtype_stage_of_a_strategy_registry():
 
 
 def test_cli_yaml_class_path(tmp_path):
-    from lightning_disttrain.cli import DistTrainCLI
-
-    config = tmp_path / "fit.yaml"
-    config.write_text(textwrap.dedent(f"""\
-        seed_everything: 0
-        trainer:
-          accelerator: cpu
-          devices: 1
-          max_steps: 2
-          logger: false
-          enable_checkpointing: false
-          enable_progress_bar: false
-          enable_model_summary: false
-          default_root_dir: {tmp_path}
-          callbacks:
-            - class_path: lightning_disttrain.callbacks.Float8Training
-              init_args:
-                recipe: rowwise_with_gw_hp
-                exclude_first_last_blocks: true
-        model:
-          class_path: lightning_disttrain.module.GPTModule
-          init_args:
-            config: tiny
-            vocab_size: {VOCAB}
-        data:
-          class_path: {PatternData.__module__}.PatternData
-        """))
-    cli = DistTrainCLI(args=["fit", "--config", str(config)])
+    cli = fit_from_yaml(tmp_path, {"class_path": "lightning_disttrain.callbacks.Float8Training",
+                                   "init_args": {"recipe": "rowwise_with_gw_hp", "exclude_first_last_blocks": True}},
+                        PatternData, VOCAB)
     [cb] = [c for c in cli.trainer.callbacks if isinstance(c, Float8Training)]
     assert cb.recipe == "rowwise_with_gw_hp" and cli.trainer.global_step == 2
     assert float8_fqns(cli.model) == _block_fqns([1, 2], prefix="model.blocks")

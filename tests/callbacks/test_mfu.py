@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -26,7 +25,9 @@ from lightning_disttrain.callbacks.peak_flops import chip_of, measure_cpu_peak_f
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.module import GPTModule
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/dist_utils.py
+# Also imported by the 2-rank scripts below, outside pytest: make tests/ importable there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli_fit import fit_from_yaml  # noqa: E402
 from dist_utils import read_ranks, run_lightning_script  # noqa: E402
 
 VOCAB = 256
@@ -250,37 +251,9 @@ def test_invalid_options_fail_at_construction():
 
 
 def test_cli_yaml_class_path(tmp_path):
-    from lightning_disttrain.cli import DistTrainCLI
-
-    config = tmp_path / "fit.yaml"
-    config.write_text(textwrap.dedent(f"""\
-        seed_everything: 0
-        trainer:
-          accelerator: cpu
-          devices: 1
-          max_steps: 3
-          log_every_n_steps: 1
-          enable_checkpointing: false
-          enable_progress_bar: false
-          enable_model_summary: false
-          logger:
-            class_path: lightning.pytorch.loggers.CSVLogger
-            init_args:
-              save_dir: {tmp_path}
-          callbacks:
-            - class_path: lightning_disttrain.callbacks.MFUMonitor
-              init_args:
-                window: 2
-                warn_below: 0.0
-        model:
-          class_path: lightning_disttrain.module.GPTModule
-          init_args:
-            config: tiny
-            vocab_size: {VOCAB}
-        data:
-          class_path: {TokenData.__module__}.TokenData
-        """))
-    cli = DistTrainCLI(args=["fit", "--config", str(config)])
+    cli = fit_from_yaml(tmp_path, {"class_path": "lightning_disttrain.callbacks.MFUMonitor",
+                                   "init_args": {"window": 2, "warn_below": 0.0}},
+                        TokenData, VOCAB, max_steps=3, csv_logger=True)
     [monitor] = [c for c in cli.trainer.callbacks if isinstance(c, MFUMonitor)]
     assert monitor.window == 2
     assert len([r for r in _csv_rows(cli.trainer.logger) if r.get("perf/tokens_per_sec")]) == 3
