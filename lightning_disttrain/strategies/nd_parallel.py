@@ -192,6 +192,11 @@ class _NDParallelBase(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         # Validate here, at Trainer construction, so a bad layout fails before processes are launched.
+        if getattr(self._precision_plugin, "precision", None) == "16-mixed":
+            # GradScaler's inf check sees only each rank's gradient shards: ranks could disagree on
+            # skipping a step and drift apart (Lightning's ModelParallelStrategy refuses it too).
+            raise ValueError(f"{type(self).__name__} does not support precision='16-mixed' (a grad scaler over "
+                             f"sharded gradients); use precision='bf16-mixed', or '16-true' without loss scaling")
         dims = self._make_parallel_dims(self.world_size)
         if dims != self._parallel_dims:  # a later validate/test keeps the dims and their meshes
             self._parallel_dims, self._device_mesh = dims, None

@@ -67,6 +67,14 @@ def test_bad_layout_fails_at_trainer_construction():
         trainer(FSDP2Strategy(hsdp=(-1, 3)), devices=4)
 
 
+def test_fp16_loss_scaling_is_refused_at_trainer_construction():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    with pytest.raises(ValueError, match="does not support precision='16-mixed'.*use precision='bf16-mixed'"):
+        L.Trainer(strategy=FSDP2Strategy(), devices=2, accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu")])
+    assert trainer(FSDP2Strategy()).strategy.world_size == 2  # other precisions construct
+
+
 def test_mesh_before_setup_is_an_error():
     s = trainer("fsdp2").strategy
     with pytest.raises(RuntimeError, match="setup_environment"):
