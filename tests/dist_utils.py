@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def _check(procs: list[tuple[subprocess.Popen, str]], timeout: float) -> None:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for p, _ in procs:
-                p.kill()
+                kill_tree(p)
             out, _ = proc.communicate()
             failures.append(f"{name}: timed out after {timeout}s\n{out[-6000:]}")
             continue
@@ -54,10 +55,27 @@ def _check(procs: list[tuple[subprocess.Popen, str]], timeout: float) -> None:
         raise AssertionError("\n\n".join(failures))
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every rank it launched. Ranks hung in a collective ignore SIGTERM
+    (Lightning's handler itself waits on a collective), and Lightning's launcher starts the other
+    ranks as children of rank 0, which ``proc.kill()`` alone would leave running; every process
+    here is started in a session of its own, so its process group is exactly that tree."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def popen(cmd: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """Start a test process (and, through Lightning's launcher, its ranks) in a new session so
+    that ``kill_tree`` can end all of them."""
+    return subprocess.Popen(cmd, env=env or _env(), cwd=str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs)
+
+
 def run_lightning_script(script: Path, *args: str, timeout: float = 300) -> None:
     """Run ``script`` (which builds ``L.Trainer(devices=N, ...)``); fail with its output if it fails."""
-    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], env=_env(), cwd=str(REPO),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = popen([sys.executable, str(script), *map(str, args)])
     _check([(proc, script.name)], timeout)
 
 
@@ -68,8 +86,7 @@ def run_torch_script(script: Path, nprocs: int, *args: str, timeout: float = 300
     for rank in range(nprocs):
         env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-        proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env, cwd=str(REPO),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = popen([sys.executable, str(script), *map(str, args)], env=env)
         procs.append((proc, f"{script.name} rank {rank}"))
     _check(procs, timeout)
 

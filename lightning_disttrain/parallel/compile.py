@@ -29,7 +29,7 @@ import torch.nn as nn
 
 
 def apply_compile(
-    blocks: nn.ModuleList,
+    blocks: nn.ModuleList | nn.ModuleDict,
     fullgraph: bool = False,
     dynamic: bool | None = None,
     backend: str = "inductor",
@@ -49,8 +49,11 @@ def apply_compile(
     if mode is not None and backend != "inductor":
         raise ValueError(f"compile mode={mode!r} is an inductor option but backend={backend!r}; "
                          f"use backend='inductor' or leave mode=None")
-    if len(blocks) == 0:
-        raise ValueError("apply_compile got no blocks; pass the model's nn.ModuleList of blocks")
+    from lightning_disttrain.parallel.plan import as_block_list
+
+    blocks = as_block_list(blocks)
+    if not blocks:
+        raise ValueError("apply_compile got no blocks; pass the model's nn.ModuleList / nn.ModuleDict of blocks")
     options: dict[str, Any] = dict(fullgraph=fullgraph, dynamic=dynamic, backend=backend)
     if mode is not None:
         options["mode"] = mode

@@ -7,8 +7,6 @@ Lightning's clipping hook.
 
 from __future__ import annotations
 
-import itertools
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,20 +51,56 @@ def mp_policy_for_precision(precision: str | None) -> MixedPrecisionPolicy:
 
 
 def fsdp_root(module: nn.Module) -> nn.Module:
-    """The smallest submodule that owns every parameter of ``module`` (``module`` itself if none).
+    """The smallest submodule that holds every parameter of ``module`` (``module`` itself if none).
 
     FSDP's root unit must own all parameters no block claimed (embedding, final norm, tied head)
     and must be *called*: its forward pre-hook all-gathers them. In a LightningModule that keeps
     its network in one attribute (``self.model``) that attribute is the root, and the
     LightningModule's own ``training_step`` stays outside FSDP's hooks.
+
+    A child is only the root if no other child refers to any parameter at all, shared ones
+    included: in Hugging Face's ``GPT2LMHeadModel`` the ``transformer`` child holds every
+    parameter, but ``lm_head`` refers to its embedding; sharding ``transformer`` alone would swap
+    the embedding for a sharded one under ``transformer`` and leave ``lm_head`` on the old tensor.
     """
-    wanted = {id(p) for p in module.parameters()}
     root = module
     while True:
-        children = [c for c in root.children() if {id(p) for p in c.parameters()} == wanted]
-        if len(children) != 1:
+        if next(root.parameters(recurse=False), None) is not None:
             return root
-        root = children[0]
+        holders = [c for c in root.children() if next(c.parameters(), None) is not None]
+        if len(holders) != 1:
+            return root
+        root = holders[0]
+
+
+def already_parallelized(module: nn.Module) -> bool:
+    """Whether ``module`` was sharded or tensor-parallelized already (e.g. by its own
+    ``configure_model``, as with Lightning's ``ModelParallelStrategy``)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters())
+
+
+def check_tied_units(root: nn.Module, plan: ParallelPlan, groups: list[list[str]]) -> None:
+    """Refuse a plan that puts the names of one shared parameter into different FSDP units:
+    each unit would shard its own copy and the tie would silently break."""
+    units: dict[int, str] = {}
+    for i, (name, block) in enumerate(_named_units(plan)):
+        for m in block.modules():
+            units.setdefault(id(m), name)
+    for names in groups:
+        owners = {n: units.get(id(root.get_submodule(n.rpartition(".")[0])), "the root unit") for n in names}
+        if len(set(owners.values())) > 1:
+            where = ", ".join(f"{n} in {u}" for n, u in owners.items())
+            raise ValueError(f"these names share one parameter but would be sharded in different FSDP units: "
+                             f"{where}; keep the modules that share it in one unit (leave them out of "
+                             f"ParallelPlan.fsdp_groups so the root holds them, or group them together)")
+
+
+def _named_units(plan: ParallelPlan) -> list[tuple[str, nn.Module]]:
+    named = [(f"block {i}", b) for i, b in enumerate(plan.block_list)]
+    for j, group in enumerate(plan.fsdp_groups):
+        named += [(f"fsdp_groups[{j}]", m) for m in group]
+    return named
 
 
 def apply_fsdp(
@@ -97,41 +131,38 @@ def apply_fsdp(
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
                               if cpu_offload else OffloadPolicy())
     common: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
-    blocks = list(plan.blocks)
+    blocks = plan.block_list
+    # The unit whose forward runs last is the first one backward needs: resharding it after
+    # forward would only buy an immediate second all-gather, so it keeps its parameters (as
+    # torchtitan does). That is the last plan group (final norm + untied head) when there is one,
+    # else the last block (the root, which then holds the tied head, is never resharded).
+    head_group = plan.fsdp_groups[-1] if plan.fsdp_groups else None
     for i, block in enumerate(blocks):
-        # The last block's backward starts right after the forward ends, so resharding it would
-        # only buy an immediate second all-gather (torchtitan does the same).
-        last = i == len(blocks) - 1
+        last = head_group is None and i == len(blocks) - 1
         reshard = False if (last and reshard_after_forward is not False) else reshard_after_forward
         fully_shard(block, reshard_after_forward=reshard, **common)
     for group in plan.fsdp_groups:
         # A list is one unit: one all-gather / reduce-scatter for its modules together.
-        fully_shard(group[0] if len(group) == 1 else list(group),
-                    reshard_after_forward=reshard_after_forward, **common)
-    # The root: None lets FSDP keep the root's parameters after forward (its head is the first
-    # thing backward needs), the same reasoning as for the last block.
+        reshard = False if group is head_group else reshard_after_forward
+        fully_shard(group[0] if len(group) == 1 else list(group), reshard_after_forward=reshard, **common)
+    # The root: None lets FSDP keep the root's parameters after forward, for the same reason.
     fully_shard(module, reshard_after_forward=None, **common)
 
 
-def has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+def offload_safe_to_device(module: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Move ``module`` to ``device`` after sharding; with CPU offload, move only its buffers.
 
-
-def dtensor_rng_supported(mesh) -> bool:
-    """Whether DTensor's random ops initialise a shard as the slice of one full random tensor on
-    this mesh (CUDA-like devices). Elsewhere each rank would draw its shard from its local RNG."""
-    from torch.distributed.tensor._random import is_rng_supported_mesh
-
-    with warnings.catch_warnings():  # it warns on every unsupported mesh; the answer is enough
-        warnings.simplefilter("ignore")
-        return is_rng_supported_mesh(mesh)
-
-
-@torch.no_grad()
-def broadcast_module_(module: nn.Module, src: int = 0, group=None) -> None:
-    """Overwrite every parameter and buffer with rank ``src``'s (before sharding: full tensors)."""
-    for t in itertools.chain(module.parameters(), module.buffers()):
-        dist.broadcast(t.detach(), src=src, group=group)
+    FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters on the host (it copies each shard
+    to the device for the all-gather itself) and rejects parameters found on the device at the
+    first forward; buffers are used beside the activations, so they belong on the device.
+    """
+    if not cpu_offload:
+        module.to(device)
+        return
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -212,3 +243,19 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     for (device, dtype), gs in buckets.items():
         torch._foreach_mul_(gs, clip_coef.to(device=device, dtype=dtype))
     return total
+
+
+def install_mesh_aware_clipping(precision_plugin: Any, pp_mesh=None) -> None:
+    """Make a Lightning precision plugin clip by norm with ``clip_grad_norm_`` below.
+
+    No Lightning hook exists for this: Lightning clips through ``precision_plugin.clip_grad_by_norm``,
+    and its accelerator connector picks the plugin's class from the precision string (autocast,
+    scaler, isinstance checks). Overriding that one method on the instance keeps all of that and
+    swaps only the norm, which must group gradients by mesh (FSDP, TP, experts) and sum across
+    pipeline stages.
+    """
+
+    def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_norm_(precision_plugin.main_params(optimizer), clip_val, pp_mesh=pp_mesh)
+
+    precision_plugin.clip_grad_by_norm = clip_grad_by_norm

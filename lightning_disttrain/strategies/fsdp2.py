@@ -5,12 +5,12 @@ Registered names (``Trainer(strategy=...)`` or ``trainer.strategy:`` in a Lightn
 ``fsdp2``        ZeRO-3: parameters, gradients and optimizer state sharded over all ranks.
 ``fsdp2_zero2``  ZeRO-2 (``reshard_after_forward=False``): parameters stay gathered from a
                  block's forward to its backward, one all-gather per step instead of two.
-``hsdp``         hybrid: shard within a group, replicate across groups (``hsdp="auto"``).
+``hsdp``         hybrid (``hsdp="auto"``): shard within each node, replicate across nodes; on a
+                 single node it is plain FSDP2.
 """
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -34,9 +34,10 @@ class FSDP2Strategy(NDParallelStrategy):
             that many ranks).
         hsdp: None: shard over every rank. ``(replicate, shard)``: HSDP with that split (use -1 for
             "the rest" in either place). ``"auto"``: replicate across nodes and shard within each
-            node when ``num_nodes > 1`` (the shard collectives, which run per block, stay on the
-            fast intra-node links; only one all-reduce per step crosses nodes); on a single node
-            the squarest split with ``replicate <= shard`` (4 ranks: 2x2, 8: 2x4, 2: 1x2).
+            node (the shard collectives, which run per block, stay on the fast intra-node links;
+            only one all-reduce per step crosses nodes). On a single node ``"auto"`` shards over
+            every rank: replicating inside one NVLink domain would hold more copies of every
+            parameter and optimizer state for no bandwidth gain.
         Everything else: as for ``NDParallelStrategy``.
     """
 
@@ -75,8 +76,7 @@ class FSDP2Strategy(NDParallelStrategy):
         if self.hsdp is None:
             return ParallelDims(dp_replicate=1, dp_shard=-1, world_size=world_size)
         if self.hsdp == "auto":
-            replicate = self.num_nodes if self.num_nodes > 1 else _square_split(world_size)
-            return ParallelDims(dp_replicate=replicate, dp_shard=-1, world_size=world_size)
+            return ParallelDims(dp_replicate=self.num_nodes, dp_shard=-1, world_size=world_size)
         replicate, shard = self.hsdp
         if replicate == -1:
             if world_size % shard:
@@ -94,7 +94,3 @@ class FSDP2Strategy(NDParallelStrategy):
         strategy_registry.register("hsdp", cls, description="FSDP2 hybrid sharding: shard within a node, "
                                    "replicate across nodes (lightning-disttrain)", override=True, hsdp="auto")
 
-
-def _square_split(world_size: int) -> int:
-    """The largest divisor r of world_size with r*r <= world_size: the replicate degree."""
-    return max(d for d in range(1, math.isqrt(world_size) + 1) if world_size % d == 0)

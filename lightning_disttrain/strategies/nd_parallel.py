@@ -11,8 +11,9 @@ What runs when (Lightning 2.6, ``Trainer._run``), and what this strategy does at
 3. ``setup`` hooks: data module, then **callbacks** (they register their model transforms with
    ``trainer.strategy.transforms`` here), then the LightningModule.
 4. ``configure_model`` runs under ``tensor_init_context`` (the meta device with ``empty_init``).
-5. ``setup`` (this strategy): precision conversion, the transforms in ``STAGES`` order (ours is the
-   ``fsdp`` stage), materialisation, then the optimizers, which must see the sharded parameters.
+5. ``setup`` (this strategy): precision conversion, materialisation or rank 0's weights, then
+   ``parallel.recipe.parallelize`` (every transform in its fixed order, FSDP last), then the
+   optimizers, which must see the sharded parameters.
 6. Training: non-final micro-batches of gradient accumulation run inside ``block_backward_sync``,
    which turns FSDP's gradient reduction off; gradient clipping goes through ``clip_grad_norm_``.
 
@@ -22,7 +23,6 @@ Checkpointing (DCP, ``restore_checkpoint_after_setup``) comes from ``DCPCheckpoi
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -54,29 +54,32 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_disttrain.parallel.fsdp import (
-    apply_fsdp,
-    broadcast_module_,
-    clip_grad_norm_,
-    dtensor_rng_supported,
-    fsdp_root,
-    has_meta_tensors,
+    already_parallelized,
+    install_mesh_aware_clipping,
     mp_policy_for_precision,
-    reshard,
-    set_gradient_sync,
+    offload_safe_to_device,
+)
+from lightning_disttrain.parallel.materialize import (
+    broadcast_module_,
+    collective_device,
+    dtensor_rng_supported,
+    has_meta_tensors,
+    materialize_,
 )
 from lightning_disttrain.parallel.mesh import ParallelDims
-from lightning_disttrain.parallel.plan import find_parallel_plan, init_weights
-from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry, compile_transform
+from lightning_disttrain.parallel.recipe import FSDPSettings, parallelize
+from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
+from lightning_disttrain.strategies.steps import StepMixin
 
 # Degrees whose transforms exist. The TP / PP / EP / CP issues add theirs here.
 _SUPPORTED_DEGREES = ("dp_replicate", "dp_shard")
 
 
-class _NDParallelBase(ParallelStrategy):
+class _NDParallelBase(StepMixin, ParallelStrategy):
     """Everything of ``NDParallelStrategy`` but checkpointing. A base class rather than the class
     itself so that ``DCPCheckpointMixin`` sits above these methods in the MRO: its ``teardown``
     (which finishes an async save) reaches ours through ``super()`` instead of being hidden by it."""
@@ -127,16 +130,13 @@ class _NDParallelBase(ParallelStrategy):
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
         self._device_mesh = None
-        # True when no submodule owns all parameters, so FSDP's root is the LightningModule itself
-        # and its *_step methods must be entered through __call__ for FSDP's hooks to run.
-        self._root_is_lightning_module = False
-
+        self._root_is_lightning_module = False  # see StepMixin
+        self.compile_options: Optional[dict[str, Any]] = (
+            None if not compile else {} if compile is True else dict(compile))
         self.transforms = TransformRegistry()
         """Model transforms by stage; callbacks register theirs in their ``setup`` hook."""
-        if compile:
-            self.transforms.register("compile", compile_transform({} if compile is True else dict(compile)),
-                                     name="compile_blocks")
-        self.transforms.register("fsdp", self._fsdp_transform, name="fsdp2")
+        self.parallelized_steps: list[str] = []
+        """What ``parallel.recipe.parallelize`` did to the model, in order (logged at setup)."""
         self._recompile_watcher = None
 
     # -- degrees and mesh -------------------------------------------------------------------
@@ -198,6 +198,11 @@ class _NDParallelBase(ParallelStrategy):
             raise ValueError(f"{type(self).__name__} does not support precision='16-mixed' (a grad scaler over "
                              f"sharded gradients); use precision='bf16-mixed', or '16-true' without loss scaling")
         dims = self._make_parallel_dims(self.world_size)
+        raf = self.reshard_after_forward
+        if not isinstance(raf, bool) and (raf >= dims.fsdp_size or dims.fsdp_size % raf):
+            raise ValueError(f"reshard_after_forward={raf} must divide the {dims.fsdp_size} ranks parameters are "
+                             f"sharded over and be smaller (a group of that many ranks keeps the parameters "
+                             f"after forward); choose a proper divisor of {dims.fsdp_size}, or True / False")
         if dims != self._parallel_dims:  # a later validate/test keeps the dims and their meshes
             self._parallel_dims, self._device_mesh = dims, None
 
@@ -252,31 +257,48 @@ class _NDParallelBase(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: pl.LightningModule) -> None:
-        """Precision conversion, every transform in STAGES order, materialisation: in that order."""
+        """Precision conversion, initial weights, ``parallelize`` (every transform, in order)."""
         dims = self.parallel_dims
         config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
         if config is not None:
             dims.validate_for_model(config)
         self.precision_plugin.convert_module(module)  # e.g. bf16-true: cast before sharding
+        # A module that sharded itself in configure_model (the ModelParallelStrategy way) keeps
+        # its own sharding; ours would wrap it a second time.
+        self_sharded = already_parallelized(module)
+        if self_sharded and self.transforms.has("dtype"):
+            raise ValueError(f"{type(module).__name__} parallelized itself in configure_model, so callbacks that "
+                             f"swap layers ({self.transforms.names()}) can no longer run before sharding; convert "
+                             f"the layers in configure_model before fully_shard, or leave the sharding to us")
+        if self_sharded:
+            rank_zero_info(f"{type(module).__name__} is already sharded (fully_shard / parallelize_module in "
+                           f"configure_model): {type(self).__name__} keeps that and skips its own FSDP stage")
         on_meta = has_meta_tensors(module)
         # DTensor's RNG can initialise a sharded tensor as the shard of one full random tensor only
         # on CUDA-like meshes; elsewhere the model is materialised whole first, then sharded.
-        sharded_init = on_meta and dtensor_rng_supported(self.device_mesh)
+        sharded_init = on_meta and (self_sharded or dtensor_rng_supported(self.device_mesh))
         if on_meta and not sharded_init:
             self._materialize(module)
-        elif not on_meta:
+        elif not on_meta and not self_sharded:
             self._sync_initial_weights(module)
         precision = getattr(self.precision_plugin, "precision", None)
         ctx = TransformContext(device=self.root_device, mesh=self.device_mesh, dims=dims,
                                precision=None if precision is None else str(precision))
-        self.transforms.apply_all(module, ctx)
-        if self.transforms.has("compile"):
+        fsdp = None if self_sharded else FSDPSettings(
+            mesh=dims.get_mesh("fsdp"), mp_policy=self.mp_policy or mp_policy_for_precision(ctx.precision),
+            reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload)
+        done = parallelize(module, ctx, self.transforms, compile_options=self.compile_options, fsdp=fsdp)
+        self.parallelized_steps = done.steps
+        self._root_is_lightning_module = (done.fsdp_root is module if done.fsdp_root is not None
+                                          else isinstance(module, FSDPModule))
+        if self.compile_options is not None:
             from lightning_disttrain.parallel.compile import RecompileWatcher
 
             self._recompile_watcher = RecompileWatcher()  # warns when shapes change between steps
         if sharded_init:
             self._materialize(module)
         self.model_to_device()
+        rank_zero_info(f"{type(self).__name__} ({dims}): " + "; ".join(done.steps or ["no transforms"]))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -284,100 +306,40 @@ class _NDParallelBase(ParallelStrategy):
             self._recompile_watcher.check(step=self.lightning_module.trainer.global_step)
         super().on_train_batch_start(batch, batch_idx)
 
-    def _fsdp_transform(self, module: nn.Module, ctx: TransformContext) -> None:
-        """The ``fsdp`` stage: ``fully_shard`` per block and plan group, then the root."""
-        root = fsdp_root(module)
-        self._root_is_lightning_module = root is module
-        mp_policy = self.mp_policy or mp_policy_for_precision(ctx.precision)
-        apply_fsdp(root, find_parallel_plan(module), self.parallel_dims.get_mesh("fsdp"), mp_policy=mp_policy,
-                   reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload)
-
     def _materialize(self, module: nn.Module) -> None:
-        """Allocate meta tensors on the device and initialise them: ``init_weights()`` when the
-        module has one (GPTModule does), else every submodule's ``reset_parameters()``.
+        """Allocate meta tensors and initialise them (``parallel.materialize.init_weights``: the
+        module's ``init_weights()``, else every submodule's initialiser, and a check that none
+        was left uninitialised).
 
         Before sharding (CPU meshes) every rank initialises the full model from the same RNG state,
         so with a seed the result equals a single-process meta build followed by ``init_weights``;
         rank 0's weights are broadcast anyway so that replicas agree even without a seed. After
-        sharding (CUDA) each rank initialises its shards through DTensor's distributed RNG.
+        sharding (CUDA) each rank initialises its shards through DTensor's distributed RNG; with
+        CPU offload those shards are allocated on the host, where FSDP expects them.
         """
-        module.to_empty(device=self.root_device)
-        init_weights(module)
-        if not any(isinstance(t, DTensor) for t in itertools.chain(module.parameters(), module.buffers())):
+        sharded = any(isinstance(p, DTensor) for p in module.parameters())
+        device = torch.device("cpu") if (sharded and self.cpu_offload) else self.root_device
+        materialize_(module, device=device, buffer_device=self.root_device)
+        if not sharded:
             self._sync_initial_weights(module)
 
     def _sync_initial_weights(self, module: nn.Module) -> None:
         # Like DDP: rank 0's initial weights win. Unseeded ranks would otherwise build different
         # models, and HSDP replicas (or TP ranks) would train different weights without noticing.
+        # NCCL carries only device tensors, and a module built in __init__ is still on the host.
         if _distributed_is_initialized() and self.world_size > 1:
-            broadcast_module_(module, src=0)
+            broadcast_module_(module, src=0, device=collective_device(dist.get_backend(), self.root_device))
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        offload_safe_to_device(self.model, self.root_device, self.cpu_offload)
 
     def _install_grad_clipping(self) -> None:
-        # Lightning clips through ``precision_plugin.clip_grad_by_norm`` (after unscaling, for
-        # 16-mixed). Replacing that one method on this run's plugin keeps every precision's logic
-        # and swaps only the norm: ours groups gradients by mesh and sums across pipeline stages.
         if self._precision_plugin is None:
             self._precision_plugin = Precision()
-        plugin = self._precision_plugin
         pp_mesh = self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None
-
-        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val, pp_mesh=pp_mesh)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-
-    # -- training ---------------------------------------------------------------------------
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning enters this for every micro-batch but the last of an accumulation window
-        (``_block_parallel_sync_behavior`` in the automatic loop; ``toggle_model`` in manual
-        optimization). FSDP then skips the reduce-scatter / all-reduce; the last micro-batch's
-        backward reduces the accumulated sum once."""
-        module = self.lightning_module
-        set_gradient_sync(module, False)
-        try:
-            yield None
-        finally:
-            set_gradient_sync(module, True)
-
-    def _step(self, method: str, context, *args: Any, **kwargs: Any) -> Any:
-        with context():
-            if self._root_is_lightning_module:
-                # FSDP's root hooks fire in __call__: enter *_step through the module's forward.
-                return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
-            return getattr(self.lightning_module, method)(*args, **kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
-
-    @override
-    def on_validation_end(self) -> None:
-        # Evaluation runs forward only, so nothing reshards the units that keep their parameters
-        # gathered for the backward; they would stay gathered into the next training steps (or,
-        # after test/predict, to the end of the run).
-        reshard(self.lightning_module)
-
-    on_test_end = on_predict_end = on_validation_end
+        install_mesh_aware_clipping(self._precision_plugin, pp_mesh=pp_mesh)
 
     # -- collectives ------------------------------------------------------------------------
 
@@ -428,9 +390,9 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
         async_save: checkpoints are written in the background (used by ``DCPCheckpointMixin``).
         compile: ``torch.compile`` each block (True, or a dict of options for ``apply_compile``).
-        empty_init: run ``configure_model`` on the meta device and materialise after sharding
-            (see ``_materialize``). Default False builds real weights, identical to a
-            single-process run with the same seed.
+        empty_init: run ``configure_model`` on the meta device and materialise (see
+            ``_materialize``). Default False builds real weights, identical to a single-process
+            run with the same seed.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for every Lightning ``ParallelStrategy`` (normally filled in by the Trainer).
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.

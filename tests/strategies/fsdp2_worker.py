@@ -40,6 +40,8 @@ MODEL = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=2, mlp_hidden=128, block_
 RUNS = {
     "flat_fsdp2": ("fsdp2", 1),          # FlatGPT: no submodule owns every parameter
     "single": ("auto", 1),
+    "single_untied": ("auto", 1),
+    "fsdp2_untied": ("fsdp2", 1),         # untied head: wte and [ln_f, lm_head] are units of their own
     "fsdp2": ("fsdp2", 1),
     "fsdp2_zero2": ("fsdp2_zero2", 1),
     "fsdp2_accum4": ("fsdp2", 4),        # 4 micro-batches of GLOBAL_BATCH/(4*N) per rank
@@ -93,8 +95,9 @@ def weights_checksum(module: torch.nn.Module) -> list[float]:
 class RecordedGPT(GPTModule):
     """GPTModule that records, per optimizer step, what the tests compare."""
 
-    def __init__(self, **kwargs):
-        super().__init__("tiny", vocab_size=VOCAB, model_overrides=MODEL, lr=3e-3, weight_decay=0.1,
+    def __init__(self, untied: bool = False, **kwargs):
+        overrides = {**MODEL, "tie_embeddings": False} if untied else MODEL
+        super().__init__("tiny", vocab_size=VOCAB, model_overrides=overrides, lr=3e-3, weight_decay=0.1,
                          schedule="constant", warmup_steps=0, **kwargs)
         self.micro_losses: list[torch.Tensor] = []
         self.norms_before: list[float] = []
@@ -175,6 +178,8 @@ class FlatGPT(RecordedGPT):
 def _strategy(name: str):
     if name == "ddp_like":
         return NDParallelStrategy(dp_replicate=2, dp_shard=1)
+    if name == "hsdp":
+        return FSDP2Strategy(hsdp=(2, -1))  # "hsdp" by name on one node is plain FSDP2
     if name == "fsdp2_reshard2":
         return FSDP2Strategy(reshard_after_forward=2)
     if name == "fsdp2_meta":
@@ -196,7 +201,7 @@ class TransformProbe(L.Callback):
         if registry is None:
             return
         for stage_name in ("fsdp", "activation_checkpointing", "dtype"):  # registered out of order
-            registry.register(stage_name, self._probe(stage_name), name=f"probe_{stage_name}")
+            registry.register(stage_name, self._probe(stage_name), name=f"probe_{stage_name}", owner=self)
 
     def _probe(self, stage_name: str):
         def probe(module, ctx):
@@ -207,11 +212,24 @@ class TransformProbe(L.Callback):
         return probe
 
 
+def _unit_reshard(model) -> dict:
+    """Each FSDP unit's reshard-after-forward setting, by the unit's module name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            group = state._fsdp_param_group
+            out[name or "<root>"] = None if group is None else group.post_forward_mesh_info is not None
+    return out
+
+
 def fit_run(run: str, devices: int) -> dict:
     strategy_name, accumulate = RUNS[run]
     micro = GLOBAL_BATCH // (devices * accumulate)
     L.seed_everything(0)
-    model = FlatGPT() if run.startswith("flat") else RecordedGPT()
+    model = FlatGPT() if run.startswith("flat") else RecordedGPT(untied=run.endswith("untied"))
     probe = TransformProbe()
     trainer = L.Trainer(callbacks=[probe],
         strategy=_strategy(strategy_name), devices=devices, accelerator="cpu", num_nodes=1,
@@ -254,9 +272,11 @@ def fit_run(run: str, devices: int) -> dict:
             root_is_lightning_module=strategy._root_is_lightning_module,
             transform_log=probe.records,
             transform_names=strategy.transforms.names(),
+            unit_reshard=_unit_reshard(model),
             compiled_blocks=sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks),
             recompile_watcher=strategy._recompile_watcher is not None,
             clip_fn=getattr(trainer.precision_plugin.clip_grad_by_norm, "__qualname__", ""),
+            parallelized_steps=strategy.parallelized_steps,
         )
     return result
 

@@ -16,7 +16,7 @@ from dist_utils import read_ranks, run_lightning_script
 HERE = Path(__file__).parent
 TOL = 1e-5
 TWO_RANK_RUNS = ["fsdp2", "fsdp2_zero2", "fsdp2_accum4", "fsdp2_meta", "fsdp2_compile", "fsdp2_bf16", "flat_fsdp2",
-                 "ddp_like"]
+                 "ddp_like", "fsdp2_untied"]
 FOUR_RANK_RUNS = ["fsdp2", "hsdp", "fsdp2_reshard2"]
 
 
@@ -114,7 +114,7 @@ def test_gradient_clipping_uses_the_global_norm(two, four, single):
     runs = [two["fsdp2"], two["fsdp2_accum4"], four["hsdp"]]
     for ranks in runs:
         for r in ranks:
-            assert "_install_grad_clipping" in r["clip_fn"]  # our DTensor-aware clip is what ran
+            assert "install_mesh_aware_clipping" in r["clip_fn"]  # our DTensor-aware clip is what ran
             expected = [min(worker.CLIP, n) for n in single["norms_before"]]
             assert r["norms_after"] == pytest.approx(expected, rel=1e-4)
     assert max(single["norms_before"]) > worker.CLIP  # clipping was active
@@ -126,8 +126,27 @@ def test_transforms_run_in_stage_order(two):
         # Earlier stages see the unsharded model; a transform registered at "fsdp" runs after ours.
         assert [e[1] for e in r["transform_log"]] == [False, False, True]
         assert r["transform_log"][0][2:] == ["32-true", 2]  # the context: precision, dims
-        assert [n for _, n in r["transform_names"]] == [
-            "probe_dtype", "probe_activation_checkpointing", "compile_blocks", "fsdp2", "probe_fsdp"]
+        assert [n for _, n in r["transform_names"]] == ["probe_dtype", "probe_activation_checkpointing", "probe_fsdp"]
+        steps = [s.split(":")[0] for s in r["parallelized_steps"]]
+        assert steps == ["dtype", "activation_checkpointing", "compile", "fsdp", "fsdp"], r["parallelized_steps"]
+        assert r["parallelized_steps"][3].startswith("fsdp: 2 blocks + 0 groups + root GPT")
+
+
+def test_untied_head_group_keeps_its_parameters_after_forward(two, tmp_path_factory):
+    # Backward starts at the head: the [ln_f, lm_head] unit keeps its gathered parameters after
+    # forward, the last block reshards like the others (torchtitan's order). Tied: the head is in
+    # the root (never resharded), so the last block keeps its parameters instead.
+    for r in two["fsdp2_untied"]:
+        assert r["unit_reshard"] == {"model": False, "model.blocks.0": True, "model.blocks.1": True,
+                                     "model.wte": True, "model.ln_f": False, "model.lm_head": False}, r["unit_reshard"]
+    for r in two["fsdp2"]:
+        assert r["unit_reshard"] == {"model": False, "model.blocks.0": True, "model.blocks.1": False}, r["unit_reshard"]
+    saved = os.environ.get("PL_GLOBAL_SEED")
+    try:
+        single = worker.fit_run("single_untied", devices=1)
+    finally:
+        os.environ.pop("PL_GLOBAL_SEED", None) if saved is None else os.environ.__setitem__("PL_GLOBAL_SEED", saved)
+    assert_matches(two["fsdp2_untied"], single)
 
 
 def test_compile_stage(two, single):

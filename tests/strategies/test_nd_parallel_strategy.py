@@ -41,8 +41,8 @@ def test_registered_names():
 
 
 @pytest.mark.parametrize(("devices", "num_nodes", "split"), [
-    (4, 1, (2, 2)),  # one node: the squarest split
-    (8, 1, (2, 4)),
+    (4, 1, (1, 4)),  # one node: shard over every rank (replicating inside a node only costs memory)
+    (8, 1, (1, 8)),
     (2, 1, (1, 2)),
     (2, 2, (2, 2)),  # several nodes: replicate across nodes, shard within one
     (4, 2, (2, 4)),
@@ -50,6 +50,14 @@ def test_registered_names():
 def test_hsdp_auto_split(devices, num_nodes, split):
     dims = trainer("hsdp", devices=devices, num_nodes=num_nodes).strategy.parallel_dims
     assert (dims.dp_replicate, dims.dp_shard) == split
+
+
+@pytest.mark.parametrize("value", [3, 4, 8])
+def test_reshard_group_must_divide_the_shard_ranks(value):
+    # 4 ranks: groups of 2 are fine; 3 does not divide 4, and a group of 4 (or more) is no group.
+    assert trainer(FSDP2Strategy(reshard_after_forward=2), devices=4).strategy.reshard_after_forward == 2
+    with pytest.raises(ValueError, match=rf"reshard_after_forward={value} must divide the 4 ranks.*proper divisor"):
+        trainer(FSDP2Strategy(reshard_after_forward=value), devices=4)
 
 
 def test_hsdp_explicit_split_with_rest():
@@ -81,17 +89,30 @@ def test_mesh_before_setup_is_an_error():
         _ = s.device_mesh
 
 
-def test_transforms_registry_has_fsdp_last_and_compile_when_asked():
-    assert NDParallelStrategy().transforms.names() == [("fsdp", "fsdp2")]
+def test_transform_registry_orders_stages_and_refuses_a_second_owner_of_a_name():
     s = FSDP2Strategy(compile={"backend": "eager"})
-    assert s.transforms.names() == [("compile", "compile_blocks"), ("fsdp", "fsdp2")]
-    s.transforms.register("dtype", lambda m, ctx: None, name="float8")
-    assert [stage for stage, _ in s.transforms.names()] == ["dtype", "compile", "fsdp"]
+    assert s.compile_options == {"backend": "eager"} and s.transforms.names() == []
+
+    class Owner:
+        def transform(self, module, ctx):
+            pass
+
+    a, b = Owner(), Owner()
+    s.transforms.register("activation_checkpointing", a.transform, name="ac")
+    s.transforms.register("dtype", lambda m, ctx: None, name="float8", owner=a)
+    assert s.transforms.names() == [("dtype", "float8"), ("activation_checkpointing", "ac")]
+    s.transforms.register("activation_checkpointing", a.transform, name="ac")  # setup again: idempotent
+    s.transforms.register("dtype", lambda m, ctx: None, name="float8", owner=a)  # a new closure, same owner
+    assert len(s.transforms.names()) == 2
+    with pytest.raises(ValueError, match="named 'ac' is already registered at stage 'activation_checkpointing'"):
+        s.transforms.register("activation_checkpointing", b.transform, name="ac")
+    with pytest.raises(ValueError, match="unknown transform stage 'sharding'"):
+        s.transforms.register("sharding", b.transform)
 
 
 @pytest.mark.parametrize(("strategy_yaml", "expected"), [
     ("  strategy: fsdp2\n", (True, None, (1, 4))),
-    ("  strategy: hsdp\n", (True, "auto", (2, 2))),
+    ("  strategy: hsdp\n", (True, "auto", (1, 4))),  # one node: "auto" shards only
     ("  strategy:\n    class_path: lightning_disttrain.strategies.FSDP2Strategy\n"
      "    init_args:\n      reshard_after_forward: false\n      hsdp: [2, 2]\n", (False, (2, 2), (2, 2))),
 ])

@@ -1,0 +1,194 @@
+"""Initial weights: materialising a meta-device model, checking every tensor was initialised,
+keeping shared (tied) parameters shared, and agreeing on rank 0's weights.
+
+Plain torch, no Lightning. The strategy calls these around the transforms of ``recipe.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def dtensor_rng_supported(mesh) -> bool:
+    """Whether DTensor's random ops initialise a shard as the slice of one full random tensor on
+    this mesh (CUDA-like devices). Elsewhere each rank would draw its shard from its local RNG."""
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    with warnings.catch_warnings():  # it warns on every unsupported mesh; the answer is enough
+        warnings.simplefilter("ignore")
+        return is_rng_supported_mesh(mesh)
+
+
+# ---- shared parameters ----------------------------------------------------------------------
+
+
+def tied_parameters(module: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one ``Parameter`` (a tied embedding and head, ...)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def retie_parameters(module: nn.Module, groups: list[list[str]]) -> None:
+    """Make every name of each group refer to the first name's parameter again.
+
+    ``to_empty`` (materialising a meta model) allocates a new tensor per module, splitting ties.
+    """
+    for first, *others in groups:
+        shared = module.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, attr, shared)
+
+
+def check_ties(module: nn.Module, groups: list[list[str]]) -> None:
+    """Raise if a group of names recorded by ``tied_parameters`` no longer shares one parameter."""
+    broken = [names for names in groups if len({id(module.get_parameter(n)) for n in names}) > 1]
+    if broken:
+        raise RuntimeError(
+            f"shared parameters were split while parallelizing the model: {broken}; they would train "
+            f"as separate weights. Keep modules that share a parameter in one FSDP unit (see "
+            f"ParallelPlan.fsdp_groups) or untie them explicitly")
+
+
+# ---- initialisation -------------------------------------------------------------------------
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    local = getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+    if local.is_meta or local.numel() == 0:
+        return None
+    return local.untyped_storage().data_ptr()
+
+
+class _WriteTracker(TorchDispatchMode):
+    """Records the storage of every tensor an op writes in place (``normal_``, ``copy_``, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in tree_leaves(value):
+                    if isinstance(t, torch.Tensor) and (key := _storage_key(t)) is not None:
+                        self.written.add(key)
+        return func(*args, **kwargs)
+
+
+def _reset_every_submodule(module: nn.Module) -> None:
+    # A submodule's own init_weights covers its subtree (a Hugging Face model inside a
+    # LightningModule); else the module's reset_parameters, or torch.nn's private
+    # _reset_parameters for modules that have only that (nn.MultiheadAttention).
+    covered: set[int] = set()
+    for sub in module.modules():
+        if id(sub) in covered:
+            continue
+        for attr in ("init_weights", "reset_parameters", "_reset_parameters"):
+            fn = getattr(sub, attr, None)
+            if callable(fn) and (attr != "_reset_parameters" or type(sub).__module__.startswith("torch.nn")):
+                fn()
+                if attr == "init_weights":
+                    covered.update(id(m) for m in sub.modules())
+                break
+
+
+def init_weights(module: nn.Module) -> None:
+    """(Re)initialise ``module`` in place, e.g. after ``to_empty``, and check that nothing was left
+    uninitialised.
+
+    Uses the module's own ``init_weights()`` when it has one (GPTModule, GPT); otherwise each
+    submodule's ``init_weights()`` (covering its subtree), ``reset_parameters()`` or, for torch.nn
+    modules such as ``nn.MultiheadAttention``, ``_reset_parameters()``. Every parameter and buffer
+    must then have been written (or replaced): one that no initialiser touched still holds the
+    garbage of ``torch.empty``, so a ``ValueError`` names it instead of training on it.
+    """
+    before = {name: (id(t), _storage_key(t)) for name, t in _named_tensors(module)}
+    tracker = _WriteTracker()
+    with torch.no_grad(), tracker:
+        own = getattr(module, "init_weights", None)
+        if callable(own):
+            own()
+        else:
+            _reset_every_submodule(module)
+    untouched = [name for name, t in _named_tensors(module)
+                 if (key := _storage_key(t)) is not None and key not in tracker.written
+                 and before.get(name) == (id(t), key)]
+    if untouched:
+        shown = ", ".join(untouched[:8]) + (f" and {len(untouched) - 8} more" if len(untouched) > 8 else "")
+        raise ValueError(
+            f"{type(module).__name__} was built on the meta device, but nothing initialised {shown} after "
+            f"materialisation: they hold uninitialised memory. Define init_weights() on "
+            f"{type(module).__name__} that initialises every parameter and buffer (GPTModule shows how), or "
+            f"give those modules a reset_parameters()")
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(itertools.chain(module.named_parameters(), module.named_buffers()))
+
+
+def materialize_(module: nn.Module, device: torch.device | str,
+                 buffer_device: torch.device | str | None = None,
+                 init: Callable[[nn.Module], None] = init_weights) -> None:
+    """Allocate a meta-device module's tensors and initialise them, keeping tied parameters tied.
+
+    ``device``: where parameters live (the host when FSDP offloads them to CPU); buffers go to
+    ``buffer_device`` (default: ``device``), since the forward uses them beside the activations.
+    """
+    ties = tied_parameters(module)
+    module.to_empty(device=device)
+    retie_parameters(module, ties)
+    if buffer_device is not None and torch.device(buffer_device) != torch.device(device):
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None:
+                    sub._buffers[name] = buf.to(buffer_device)
+    init(module)
+
+
+# ---- agreeing on rank 0's weights -----------------------------------------------------------
+
+
+@torch.no_grad()
+def broadcast_module_(module: nn.Module, src: int = 0, group=None,
+                      device: torch.device | str | None = None) -> None:
+    """Overwrite every parameter and buffer with rank ``src``'s (before sharding: full tensors).
+
+    ``device``: where the collective needs its tensors (NCCL carries only CUDA tensors, and a
+    module built with real weights in ``__init__`` is still on the host). Each tensor that lives
+    elsewhere is staged there one at a time, so the device never holds more than one extra tensor.
+    """
+    device = torch.device(device) if device is not None else None
+    seen: set[int] = set()
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        data = t.detach()
+        if device is None or data.device == device:
+            dist.broadcast(data, src=src, group=group)
+        else:
+            staged = data.to(device, copy=True)
+            dist.broadcast(staged, src=src, group=group)
+            data.copy_(staged)
+
+
+def collective_device(backend: str, root_device: torch.device) -> torch.device | None:
+    """The device a broadcast on a process group of ``backend`` must use, or None (any: gloo)."""
+    return None if backend == "gloo" else root_device

@@ -1,0 +1,92 @@
+"""The one place where a model is parallelized: every transform, in its fixed order.
+
+``parallelize`` is what ``NDParallelStrategy`` runs once the model is built (and, for a
+meta-device build on the host, materialised). Read it top to bottom to see where each
+parallelism is applied and why there; tensor, pipeline and expert parallel add their lines here.
+Callbacks contribute transforms at a stage through the strategy's ``TransformRegistry``
+(float8's Linear swap at ``dtype``, activation checkpointing at ``activation_checkpointing``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from lightning_disttrain.parallel.fsdp import apply_fsdp, check_tied_units, fsdp_root
+from lightning_disttrain.parallel.materialize import check_ties, tied_parameters
+from lightning_disttrain.parallel.plan import find_parallel_plan
+from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
+
+
+@dataclass
+class FSDPSettings:
+    """How the last stage shards (see ``apply_fsdp``)."""
+
+    mesh: Any
+    """1-D (FSDP) or 2-D (HSDP: replicate, shard) ``DeviceMesh``."""
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    reshard_after_forward: bool | int = True
+    cpu_offload: bool = False
+
+
+@dataclass
+class Parallelized:
+    """What ``parallelize`` did."""
+
+    steps: list[str] = field(default_factory=list)
+    """The stages that changed the model, in order, with what ran there."""
+    fsdp_root: nn.Module | None = None
+    """The module FSDP wrapped as its root unit (None when FSDP did not run)."""
+
+
+def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformRegistry, *,
+                compile_options: dict[str, Any] | None = None,
+                fsdp: FSDPSettings | None = None) -> Parallelized:
+    """Apply every parallelism to ``module`` in place, in the order DESIGN.md fixes.
+
+    ``compile_options``: None skips compilation; a dict (possibly empty) compiles each block.
+    ``fsdp``: None skips sharding (e.g. the model sharded itself in ``configure_model``).
+    """
+    done = Parallelized()
+    plan = find_parallel_plan(module)
+    ties = tied_parameters(module)
+
+    def stage(name: str) -> None:
+        ran = transforms.apply_stage(name, module, ctx)
+        if ran:
+            done.steps.append(f"{name}: {', '.join(ran)}")
+
+    # 1. dtype conversions from callbacks (float8 Linear swap): they must see plain nn.Linear.
+    stage("dtype")
+    # 2. pipeline split: each rank keeps only its blocks (pipeline-parallel issue).
+    stage("pipeline")
+    # 3. tensor / sequence / loss parallel: shards weights before FSDP shards them again (2-D).
+    stage("tensor_parallel")
+    # 4. expert parallel: experts leave the dense FSDP group for their own.
+    stage("expert_parallel")
+    # 5. activation checkpointing: wraps whole blocks, after TP so its plans see real names.
+    stage("activation_checkpointing")
+    # 6. per-block torch.compile: after checkpointing, so the policy is traced into the graph.
+    if compile_options is not None:
+        from lightning_disttrain.parallel.compile import apply_compile  # imports torch._dynamo
+
+        apply_compile(plan.blocks, **compile_options)
+        done.steps.append(f"compile: {len(plan.block_list)} blocks")
+    stage("compile")
+    # 7. FSDP2 per block, per plan group, then the root: outermost, so its hooks stay outside
+    #    compiled and checkpointed code. Modules sharing a parameter must share a unit.
+    if fsdp is not None:
+        root = fsdp_root(module)
+        root_name = type(root).__name__  # before fully_shard renames the class to FSDP<name>
+        check_tied_units(root, plan, tied_parameters(root))
+        apply_fsdp(root, plan, fsdp.mesh, mp_policy=fsdp.mp_policy,
+                   reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.cpu_offload)
+        done.fsdp_root = root
+        done.steps.append(f"fsdp: {len(plan.block_list)} blocks + {len(plan.fsdp_groups)} groups + root "
+                          f"{root_name}")
+    stage("fsdp")
+    check_ties(module, ties)
+    return done

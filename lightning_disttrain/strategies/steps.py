@@ -1,0 +1,77 @@
+"""Who runs the model's steps under ``NDParallelStrategy``: the hooks between Lightning's loops and
+the (sharded) LightningModule.
+
+Lightning calls the strategy's ``training_step`` and then ``strategy.backward`` separately.
+FSDP needs the steps entered through the root module's ``__call__`` when the LightningModule
+itself is the root, its gradient sync switched off for accumulation, and its gathered parameters
+freed after forward-only evaluation. Pipeline and loss parallel, which need forward and backward
+inside one call, will own the whole step here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_disttrain.parallel.fsdp import reshard, set_gradient_sync
+
+
+class StepMixin:
+    """Step hooks of ``NDParallelStrategy``; mixed in before Lightning's ``ParallelStrategy``.
+
+    Reads ``lightning_module``, ``precision_plugin``, ``_forward_redirection`` (Lightning's) and
+    ``_root_is_lightning_module`` (set when the model is parallelized).
+    """
+
+    _root_is_lightning_module: bool = False
+    """True when no submodule holds all parameters, so FSDP's root is the LightningModule itself
+    and its ``*_step`` methods must be entered through ``__call__`` for FSDP's hooks to run."""
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this for every micro-batch but the last of an accumulation window
+        (``_block_parallel_sync_behavior`` in the automatic loop; ``toggle_model`` in manual
+        optimization). FSDP then skips the reduce-scatter / all-reduce; the last micro-batch's
+        backward reduces the accumulated sum once."""
+        module = self.lightning_module
+        set_gradient_sync(module, False)
+        try:
+            yield None
+        finally:
+            set_gradient_sync(module, True)
+
+    def _step(self, method: str, context, *args: Any, **kwargs: Any) -> Any:
+        with context():
+            if self._root_is_lightning_module:
+                # FSDP's root hooks fire in __call__: enter *_step through the module's forward.
+                return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
+            return getattr(self.lightning_module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    @override
+    def on_validation_end(self) -> None:
+        # Evaluation runs forward only, so nothing reshards the units that keep their parameters
+        # gathered for the backward; they would stay gathered into the next training steps (or,
+        # after test/predict, to the end of the run).
+        reshard(self.lightning_module)
+
+    on_test_end = on_predict_end = on_validation_end

@@ -1,0 +1,154 @@
+"""Initial weights: meta materialisation with the uninitialised-tensor check, ties, device placement
+under CPU offload, and the device the initial broadcast uses. One process, no process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_disttrain.parallel.fsdp import offload_safe_to_device
+from lightning_disttrain.parallel.materialize import (
+    collective_device,
+    init_weights,
+    materialize_,
+    retie_parameters,
+    tied_parameters,
+)
+
+CUDA = torch.device("cuda", 0)  # never touched when the code is right: this machine has no GPU
+
+
+class WithBareParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.empty(8))  # nobody initialises this after to_empty
+        self.register_buffer("table", torch.empty(4))
+
+
+class WithAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2)  # initialised by its private _reset_parameters
+        self.norm = nn.LayerNorm(16)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _meta(cls):
+    with torch.device("meta"):
+        return cls()
+
+
+def test_uninitialised_parameters_and_buffers_are_named():
+    module = _meta(WithBareParameter)
+    with pytest.raises(ValueError, match=r"nothing initialised scale, table after materialisation.*Define init_weights"):
+        materialize_(module, device="cpu")
+
+
+def test_an_init_weights_that_misses_a_tensor_is_caught_too():
+    class Partial(WithBareParameter):
+        def init_weights(self):
+            self.proj.reset_parameters()
+            self.scale.fill_(1.0)
+
+    with pytest.raises(ValueError, match=r"nothing initialised table after"):
+        materialize_(_meta(Partial), device="cpu")
+
+
+def test_torch_modules_with_private_reset_are_initialised():
+    module = _meta(WithAttention)
+    materialize_(module, device="cpu")
+    w = module.attn.in_proj_weight
+    assert torch.isfinite(w).all() and 0.05 < w.std() < 0.5  # xavier_uniform over (48, 16)
+    assert torch.equal(module.attn.in_proj_bias, torch.zeros(48))
+    assert torch.equal(module.norm.weight, torch.ones(16))
+
+
+def test_replacing_a_parameter_counts_as_initialising_it():
+    class Replaces(WithBareParameter):
+        def init_weights(self):
+            self.proj.reset_parameters()
+            self.scale = nn.Parameter(torch.ones(8))
+            self.table = torch.zeros(4)
+
+    module = _meta(Replaces)
+    materialize_(module, device="cpu")
+    assert torch.equal(module.scale, torch.ones(8))
+
+
+def test_a_hugging_face_model_inside_a_module_is_initialised_by_its_own_init_weights():
+    transformers = pytest.importorskip("transformers")
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+            self.model = transformers.GPT2LMHeadModel(config)
+
+    module = _meta(Wrapper)
+    materialize_(module, device="cpu")
+    model = module.model
+    assert model.lm_head.weight is model.transformer.wte.weight  # to_empty split it; re-tied
+    assert torch.isfinite(model.transformer.wte.weight).all() and model.transformer.wte.weight.std() < 0.05
+
+
+def test_ties_survive_materialisation():
+    module = _meta(Tied)
+    assert tied_parameters(module) == [["emb.weight", "head.weight"]]
+    materialize_(module, device="cpu")
+    assert module.head.weight is module.emb.weight
+
+
+def test_retie_restores_a_split_tie():
+    module = Tied()
+    groups = tied_parameters(module)
+    module.head.weight = nn.Parameter(module.emb.weight.detach().clone())
+    retie_parameters(module, groups)
+    assert module.head.weight is module.emb.weight
+
+
+def test_with_cpu_offload_parameters_are_materialised_on_the_host():
+    # Sharded parameters of FSDP2 with CPUOffloadPolicy must live on the host; materialising
+    # them on the GPU (as before) fails at the first forward. No buffers here: buffers go to
+    # the GPU, which this machine does not have.
+    module = _meta(Tied)
+    materialize_(module, device="cpu", buffer_device=CUDA)
+    assert all(p.device.type == "cpu" for p in module.parameters())
+
+
+def test_with_cpu_offload_only_buffers_move_to_the_device():
+    module = Tied()
+    offload_safe_to_device(module, CUDA, cpu_offload=True)  # would raise if it moved any parameter
+    assert all(p.device.type == "cpu" for p in module.parameters())
+    with pytest.raises((RuntimeError, AssertionError)):  # without offload the whole module moves
+        offload_safe_to_device(module, CUDA, cpu_offload=False)
+
+
+def test_the_strategy_does_not_move_offloaded_parameters_to_the_gpu():
+    from lightning_disttrain.strategies import NDParallelStrategy
+
+    strategy = NDParallelStrategy(cpu_offload=True, parallel_devices=[CUDA])
+    strategy.model = Tied()
+    strategy.model_to_device()  # before the fix: module.to(cuda:0) -> "Torch not compiled with CUDA"
+    assert all(p.device.type == "cpu" for p in strategy.model.parameters())
+
+
+def test_initial_broadcast_stages_host_tensors_on_the_device_for_nccl():
+    # NCCL carries only device tensors; a module built in __init__ is still on the host.
+    assert collective_device("nccl", CUDA) == CUDA
+    assert collective_device("gloo", torch.device("cpu")) is None
+
+
+def test_init_weights_without_meta_is_a_plain_reinitialisation():
+    module = Tied()
+    before = module.emb.weight.detach().clone()
+    init_weights(module)
+    assert not torch.equal(before, module.emb.weight) and module.head.weight is module.emb.weight
