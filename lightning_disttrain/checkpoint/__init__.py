@@ -5,13 +5,22 @@ DCPCheckpointMixin``; everything here is usable without Lightning.
 """
 
 from lightning_disttrain.checkpoint.consolidate import (
+    EXPORT_FORMAT,
+    EXPORT_FORMAT_VERSION,
+    Exported,
     export_consolidated,
     export_main,
     load_consolidated,
     load_consolidated_into,
+    read_exported,
 )
 from lightning_disttrain.checkpoint.dcp_io import META_NAME, CheckpointWriter, load_sharded, remove_checkpoint_path
-from lightning_disttrain.checkpoint.discovery import find_latest_checkpoint, list_checkpoints, prune_checkpoints
+from lightning_disttrain.checkpoint.discovery import (
+    describe_checkpoint,
+    find_latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+)
 from lightning_disttrain.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointVerificationError,
@@ -22,12 +31,16 @@ from lightning_disttrain.checkpoint.manifest import (
 )
 
 __all__ = [
+    "EXPORT_FORMAT",
+    "EXPORT_FORMAT_VERSION",
     "MANIFEST_NAME",
     "META_NAME",
     "CheckpointVerificationError",
     "CheckpointWriter",
+    "Exported",
     "IncompleteCheckpointError",
     "Manifest",
+    "describe_checkpoint",
     "export_consolidated",
     "export_main",
     "find_latest_checkpoint",
@@ -36,6 +49,7 @@ __all__ = [
     "load_consolidated_into",
     "load_sharded",
     "prune_checkpoints",
+    "read_exported",
     "read_manifest",
     "remove_checkpoint_path",
     "verify_checkpoint",

@@ -1,34 +1,66 @@
-"""Consolidated single-file state dicts: export a DCP checkpoint for inference and sharing, and
-load one back (into a plain model, or as the initial weights of a new sharded run).
+"""Consolidated single-file exports: a DCP checkpoint written out for inference and sharing, and
+loaded back (``GPT.from_exported``, a plain model, or the initial weights of a new sharded run).
 
 Exporting runs in one process without a process group: DCP's single-process read assembles each
 tensor from all shards, whatever the world size that wrote them.
 
-Two export shapes:
+The file (format version 1) is one ``torch.save`` dict, readable with ``weights_only=True``::
 
-- ``model_only=True`` (default): ``{name: tensor}`` of the model, with the LightningModule
-  attribute prefix (``model.``) stripped, so a plain ``GPT(config).load_state_dict(...)`` takes it.
-- ``model_only=False``: a Lightning-style single-file checkpoint: ``state_dict`` (LightningModule
-  names), ``optimizer_states`` (as DCP's full optimizer state dicts, keyed by parameter name:
-  load them with ``set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))``)
-  and the Lightning state (loops, schedulers, callbacks, hyper-parameters, data position).
+    format            "lightning-disttrain/consolidated"
+    format_version    1; readers refuse a higher number (written by a newer lightning-disttrain)
+    contents          "model" (weights only) or "full" (see below)
+    state_dict        {name: tensor}
+    model_config      the model's config as plain data, or None: for ``GPTModule`` the
+                      ``GPTConfig`` fields (its ``hyper_parameters["config"]``), which
+                      ``GPT.from_exported`` builds the model from
+    hyper_parameters  the LightningModule's hyper-parameters, or None
+    source            {"checkpoint": real directory, "global_step", "completed_unix"}
+
+- ``contents="model"`` (default): ``state_dict`` is the model's, with the LightningModule attribute
+  prefix (``model.``) stripped, so a plain ``GPT(config).load_state_dict(...)`` takes it.
+- ``contents="full"``: a Lightning-style single-file checkpoint with the keys above added:
+  ``state_dict`` (LightningModule names), ``optimizer_states`` (DCP's full optimizer state dicts,
+  keyed by parameter name: load them with ``set_optimizer_state_dict(...,
+  options=StateDictOptions(full_state_dict=True))``) and the Lightning state (loops, schedulers,
+  callbacks, hyper-parameters as saved, data position). Reading it needs ``weights_only=False``
+  when the Lightning state holds objects.
+
+Files exported before format version 1 (a plain ``{name: tensor}``, or the full shape without the
+format keys) still load everywhere. A different layout (e.g. Hugging Face) gets its own
+``format`` string; an incompatible change to this one bumps ``format_version``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_disttrain.checkpoint.dcp_io import MODEL_KEY, load_meta
-from lightning_disttrain.checkpoint.manifest import verify_checkpoint
+from lightning_disttrain.checkpoint.dcp_io import META_NAME, MODEL_KEY, load_meta
+from lightning_disttrain.checkpoint.discovery import (
+    LAST_NAME,
+    describe_checkpoint,
+    find_latest_checkpoint,
+    list_checkpoints,
+)
+from lightning_disttrain.checkpoint.manifest import (
+    CheckpointVerificationError,
+    Manifest,
+    read_manifest,
+    verify_checkpoint,
+)
 
 DEFAULT_PREFIX = "model."
+EXPORT_FORMAT = "lightning-disttrain/consolidated"
+EXPORT_FORMAT_VERSION = 1
+HPARAMS_KEY = "hyper_parameters"  # Lightning's LightningModule.CHECKPOINT_HYPER_PARAMS_KEY
 
 
 def _read_dcp(ckpt_dir: Path, keys: set[str] | None) -> dict[str, Any]:
@@ -55,18 +87,18 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str | None = DEFAULT_PRE
 def export_consolidated(ckpt_dir: str | os.PathLike, out_file: str | os.PathLike, *, model_only: bool = True,
                         prefix: str | None = DEFAULT_PREFIX, verify: bool = True,
                         dtype: torch.dtype | None = None) -> Path:
-    """Write one ``torch.save`` file from a checkpoint directory; returns its path.
+    """Write one ``torch.save`` file (format in the module docstring) from a checkpoint directory;
+    returns its path.
 
     Args:
         ckpt_dir: a checkpoint directory (verified against its manifest unless ``verify=False``).
         out_file: where to write; parent directories are created.
-        model_only: only the model's weights (see the module docstring for both shapes).
+        model_only: only the model's weights and config (``contents="model"``); else ``"full"``.
         prefix: stripped from the model's keys when all have it (``model_only`` only); None keeps them.
         dtype: cast floating-point weights (e.g. ``torch.bfloat16`` to halve a release file).
     """
     ckpt_dir, out_file = Path(ckpt_dir), Path(out_file)
-    if verify:
-        verify_checkpoint(ckpt_dir)
+    manifest = verify_checkpoint(ckpt_dir) if verify else _manifest_or_none(ckpt_dir)
     state = _read_dcp(ckpt_dir, {MODEL_KEY} if model_only else None)
     if MODEL_KEY not in state:
         raise ValueError(f"{str(ckpt_dir)!r} holds no model state under {MODEL_KEY!r}; "
@@ -74,28 +106,105 @@ def export_consolidated(ckpt_dir: str | os.PathLike, out_file: str | os.PathLike
     model = state[MODEL_KEY]
     if dtype is not None:
         model = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in model.items()}
+    meta = load_meta(ckpt_dir, weights_only=False) if not model_only else _meta_for_model_export(ckpt_dir)
+    hparams = meta.get(HPARAMS_KEY)
+    header = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION,
+              "model_config": _model_config(hparams),
+              "source": {"checkpoint": str(ckpt_dir.resolve()),
+                         "global_step": manifest.global_step if manifest else meta.get("global_step"),
+                         "completed_unix": manifest.created_unix if manifest else None}}
     if model_only:
-        out: dict[str, Any] = strip_prefix(model, prefix)
+        out: dict[str, Any] = {**header, "contents": "model", MODEL_KEY: strip_prefix(model, prefix),
+                               HPARAMS_KEY: dict(hparams) if isinstance(hparams, Mapping) else None}
     else:
         optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-        out = {**load_meta(ckpt_dir, weights_only=False), MODEL_KEY: model,
+        out = {**meta, **header, "contents": "full", MODEL_KEY: model,
                "optimizer_states": [state[k] for k in optimizers]}
     out_file.parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, out_file)
     return out_file
 
 
+def _manifest_or_none(ckpt_dir: Path) -> Manifest | None:
+    try:
+        return read_manifest(ckpt_dir)
+    except CheckpointVerificationError:
+        return None
+
+
+def _meta_for_model_export(ckpt_dir: Path) -> dict[str, Any]:
+    # weights_only: a model export must not run code from the checkpoint it reads, and what loads
+    # this way loads the same way from the export. A GPTModule's hyper-parameters are plain data;
+    # hyper-parameters that are not cost the export its config, not the weights.
+    try:
+        return load_meta(ckpt_dir, weights_only=True)
+    except ValueError:
+        warnings.warn(f"exporting {str(ckpt_dir)!r} without its hyper-parameters or model config: its "
+                      f"{META_NAME} holds objects that torch.load(weights_only=True) refuses, and a model export "
+                      f"does not unpickle them; load the export with GPT.from_exported(file, config=...)",
+                      stacklevel=3)
+        return {}
+
+
+def _model_config(hparams: Any) -> dict[str, Any] | None:
+    config = hparams.get("config") if isinstance(hparams, Mapping) else None
+    return dict(config) if isinstance(config, Mapping) else None
+
+
+@dataclass
+class Exported:
+    """An exported file as read back (either shape, any format version)."""
+
+    state_dict: dict[str, torch.Tensor]
+    model_config: dict[str, Any] | None
+    """The config to build the model from (None: not recorded, e.g. a plain pre-format file)."""
+    hyper_parameters: dict[str, Any] | None
+    source: dict[str, Any] | None
+    """Which checkpoint was exported: ``checkpoint`` (its real directory), ``global_step``, ``completed_unix``."""
+    format_version: int
+    """0 for files written before the format had a version."""
+
+
+def read_exported(file: str | os.PathLike, *, prefix: str | None = None, weights_only: bool = True) -> Exported:
+    """Read an exported file: its model state dict (``prefix`` stripped as in ``strip_prefix``), and,
+    from format version 1 on, the model config and which checkpoint it came from."""
+    try:
+        raw = torch.load(file, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if not weights_only:
+            raise
+        raise ValueError(f"{str(file)!r} holds objects torch.load(weights_only=True) refuses (a --full export "
+                         f"keeps Lightning's state as saved); if you trust the file, pass weights_only=False") from err
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{str(file)!r} is not a state-dict file (it holds a {type(raw).__name__}); "
+                         f"pass a file written by `lightning-disttrain export` or export_consolidated")
+    fmt = raw.get("format")
+    if isinstance(fmt, str):
+        if fmt != EXPORT_FORMAT:
+            raise ValueError(f"{str(file)!r} has format {fmt!r}, not {EXPORT_FORMAT!r}; load it with the "
+                             f"reader for that format")
+        version = raw.get("format_version")
+        if not isinstance(version, int) or version > EXPORT_FORMAT_VERSION:
+            raise ValueError(f"{str(file)!r} is {EXPORT_FORMAT} version {version!r}, newer than the "
+                             f"{EXPORT_FORMAT_VERSION} this lightning-disttrain reads; upgrade lightning-disttrain")
+        return Exported(strip_prefix(raw[MODEL_KEY], prefix), raw.get("model_config"), raw.get(HPARAMS_KEY),
+                        raw.get("source"), version)
+    if MODEL_KEY in raw and isinstance(raw[MODEL_KEY], Mapping):  # a full export from before version 1
+        hparams = raw.get(HPARAMS_KEY)
+        return Exported(strip_prefix(raw[MODEL_KEY], prefix), _model_config(hparams),
+                        dict(hparams) if isinstance(hparams, Mapping) else None, None, 0)
+    return Exported(strip_prefix(raw, prefix), None, None, None, 0)  # a plain {name: tensor} from before version 1
+
+
 def load_consolidated(file: str | os.PathLike, *, prefix: str | None = None,
                       weights_only: bool = True) -> dict[str, torch.Tensor]:
-    """The model state dict in an exported file (either shape), ready for ``module.load_state_dict``.
+    """The model state dict in an exported file (either shape, any format version), ready for
+    ``module.load_state_dict``.
 
     ``prefix`` is stripped as in ``strip_prefix``; a full export keeps LightningModule names unless
-    you pass ``prefix="model."``.
+    you pass ``prefix="model."``. ``read_exported`` also gives the config and the source checkpoint.
     """
-    state = torch.load(file, map_location="cpu", weights_only=weights_only)
-    if MODEL_KEY in state and isinstance(state[MODEL_KEY], Mapping):
-        state = state[MODEL_KEY]
-    return strip_prefix(state, prefix)
+    return read_exported(file, prefix=prefix, weights_only=weights_only).state_dict
 
 
 def load_consolidated_into(module: torch.nn.Module, state_or_file: str | os.PathLike | Mapping[str, Any],
@@ -145,16 +254,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def export_main(argv: Sequence[str] | None = None) -> Path:
-    """``lightning-disttrain export CKPT_DIR OUT_FILE [--latest] [--full] ...``; returns the file written."""
-    args = build_parser().parse_args(argv)
-    ckpt_dir = Path(args.ckpt_dir)
-    if args.latest:
-        from lightning_disttrain.checkpoint.discovery import find_latest_checkpoint
+    """``lightning-disttrain export CKPT_DIR OUT_FILE [--latest] [--full] ...``; returns the file written.
 
-        found = find_latest_checkpoint(ckpt_dir)
+    Prints which checkpoint it exported (real directory, global step, completion time), so that a
+    link (``last.ckpt``) or ``--latest`` never leaves a doubt about which run and step went out.
+    """
+    args = build_parser().parse_args(argv)
+    given = Path(args.ckpt_dir)
+    ckpt_dir, via = given, ""
+    if args.latest:
+        found = find_latest_checkpoint(given)
         if found is None:
-            raise SystemExit(f"no complete checkpoint in {str(ckpt_dir)!r}")
-        ckpt_dir = found
+            raise SystemExit(f"no complete checkpoint in {str(given)!r}")
+        ckpt_dir, via = found, f", the newest complete checkpoint in {str(given)!r}"
+    else:
+        if given.is_symlink():
+            via = f", the target of {str(given)!r}"
+        if LAST_NAME.match(given.name):
+            _warn_if_not_newest(given)
     with warnings.catch_warnings():
         # DCP warns that it "assumes the intent" of a single-process load; that is the intent.
         warnings.filterwarnings("ignore", message=".*torch.distributed is.*uninitialized.*")
@@ -163,8 +280,21 @@ def export_main(argv: Sequence[str] | None = None) -> Path:
                                   verify=not args.no_verify,
                                   dtype=getattr(torch, args.dtype) if args.dtype else None)
     size = out.stat().st_size / 2**20
-    print(f"exported {ckpt_dir} -> {out} ({size:.1f} MiB{', model only' if not args.full else ''})")
+    print(f"exported {describe_checkpoint(ckpt_dir)}{via} -> {out} "
+          f"({size:.1f} MiB{', model only' if not args.full else ''})")
     return out
+
+
+def _warn_if_not_newest(path: Path) -> None:
+    # A "last" name can be stale: save_last=True with Lightning's version counter leaves last.ckpt
+    # from an earlier run beside a newer last-v1.ckpt.
+    real, candidates = path.resolve(), list_checkpoints(path.parent)  # newest first
+    this = next((c for c in candidates if c.resolved == real), None)
+    newer = [c for c in candidates if this is not None and c.complete and c.timestamp > this.timestamp]
+    if newer:
+        warnings.warn(f"{str(path)!r} is not the newest checkpoint beside it: {describe_checkpoint(newer[0].resolved)} "
+                      f"completed later. Exporting {str(path)!r} as asked; to export the newest, run "
+                      f"`lightning-disttrain export {str(path.parent)!r} OUT --latest`", stacklevel=3)
 
 
 if __name__ == "__main__":

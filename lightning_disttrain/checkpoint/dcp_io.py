@@ -39,6 +39,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from lightning_disttrain.checkpoint import rng
 from lightning_disttrain.checkpoint.manifest import (
     MANIFEST_NAME,
+    CheckpointVerificationError,
     Manifest,
     check_files,
     hash_files,
@@ -167,9 +168,12 @@ class CheckpointWriter:
              extra: dict[str, Any] | None = None) -> None:
         """Write ``state`` (DCP: tensors and DTensors, sharded) and ``meta`` (rank 0, torch.save)."""
         rng_state = rng.capture_rng_state()  # first: nothing below may shift the streams first
-        self.wait()  # one save in flight at most; the next must not stage over a running write
+        # One save in flight at most, and it must be finished before this thread issues any
+        # collective: its background write and finalisation run collectives on the same group,
+        # and two threads calling collectives on one group may pair them differently per rank.
+        self.wait()
         comm = self.comm()
-        path = Path(path)
+        path = Path(comm.broadcast(str(path)))  # rank 0's name everywhere (names can hold times)
         refusal = _prepare_directory(path) if comm.rank == 0 else None
         if refusal := comm.broadcast(refusal):  # also the barrier: nobody writes before the directory is ready
             raise ValueError(refusal)
@@ -300,6 +304,9 @@ def verify_distributed(path: str | os.PathLike, comm: Comm) -> Manifest:
         manifest, failure = (read_manifest(path), None) if comm.rank == 0 else (None, None)
     except ValueError as err:  # CheckpointVerificationError: re-raised identically on every rank
         manifest, failure = None, (type(err), str(err.path), err.reason)
+    except OSError as err:  # unreadable: every rank must learn it, or they wait below for rank 0
+        manifest, failure = None, (CheckpointVerificationError, str(path / MANIFEST_NAME),
+                                   f"could not be read ({type(err).__name__}: {err})")
     manifest, failure = comm.broadcast((manifest, failure))
     if failure is not None:
         cls, bad, reason = failure

@@ -6,14 +6,22 @@ discovery walks the checkpoints newest first and takes the first that verifies, 
 each one it skips and why. "Newest" is the time the manifest says the checkpoint completed; a
 checkpoint without a manifest is dated by its newest file, so that it still counts as the newest
 (and is reported) when it is the one that was being written.
+
+Why completion time and not the global step: a new run started from scratch in a directory that
+still holds an older run's checkpoints (the quickstart run twice) saves low steps first. What
+the user expects after its first save is that run, not the older run's higher step, so the most
+recently completed checkpoint wins; the global step only breaks ties. The shipped configs also
+keep ``last.ckpt`` a link to that same checkpoint (``save_last: link``, no version counter).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from lightning_disttrain.checkpoint.manifest import (
@@ -42,6 +50,33 @@ class Candidate:
     timestamp: float
     """Completion time from the manifest; else the newest file's modification time."""
     global_step: int | None = None
+
+    def describe(self) -> str:
+        """As ``describe_checkpoint``, from what listing read (no file access)."""
+        if not self.complete:
+            return f"{str(self.resolved)!r} (incomplete: no {MANIFEST_NAME})"
+        return _describe(self.resolved, self.global_step, self.timestamp)
+
+
+LAST_NAME = re.compile(r"^last(-v\d+)?\.ckpt$")
+"""ModelCheckpoint's "last" names (``last.ckpt``, and ``last-v1.ckpt`` when its version counter is on)."""
+
+
+def describe_checkpoint(path: str | os.PathLike, manifest: Manifest | None = None) -> str:
+    """``'REAL_DIR' (global step N, completed ISO_TIME)``: which checkpoint a path really is, for
+    messages that must not leave a user guessing what was resumed or exported."""
+    real = Path(path).resolve()
+    if manifest is None:
+        try:
+            manifest = read_manifest(real)
+        except CheckpointVerificationError:
+            return f"{str(real)!r} (incomplete: no {MANIFEST_NAME})"
+    return _describe(real, manifest.global_step, manifest.created_unix)
+
+
+def _describe(real: Path, global_step: int | None, completed_unix: float) -> str:
+    when = datetime.fromtimestamp(completed_unix).astimezone().isoformat(timespec="seconds")
+    return f"{str(real)!r} (global step {global_step}, completed {when})"
 
 
 def _looks_like_checkpoint(path: Path) -> bool:

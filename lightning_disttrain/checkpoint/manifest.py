@@ -156,13 +156,18 @@ def check_files(ckpt_dir: str | os.PathLike, manifest: Manifest, rel_paths: Iter
     problems = []
     for rel in rel_paths:
         entry, path = manifest.files[rel], root / rel
-        if not path.is_file():
-            problems.append((rel, f"is missing (listed in {MANIFEST_NAME})"))
-        elif (size := path.stat().st_size) != entry.bytes:
-            kind = "truncated" if size < entry.bytes else "longer than recorded"
-            problems.append((rel, f"is {kind}: {size} bytes, {MANIFEST_NAME} says {entry.bytes}"))
-        elif sha256_file(path) != entry.sha256:
-            problems.append((rel, f"is corrupted: its sha256 differs from the one in {MANIFEST_NAME}"))
+        try:
+            if not path.is_file():
+                problems.append((rel, f"is missing (listed in {MANIFEST_NAME})"))
+            elif (size := path.stat().st_size) != entry.bytes:
+                kind = "truncated" if size < entry.bytes else "longer than recorded"
+                problems.append((rel, f"is {kind}: {size} bytes, {MANIFEST_NAME} says {entry.bytes}"))
+            elif sha256_file(path) != entry.sha256:
+                problems.append((rel, f"is corrupted: its sha256 differs from the one in {MANIFEST_NAME}"))
+        except OSError as err:
+            # A problem, not an exception: in a distributed check the other ranks wait for this
+            # rank's list in a collective, and an exception here would leave them waiting.
+            problems.append((rel, f"could not be read ({type(err).__name__}: {err})"))
     return problems
 
 

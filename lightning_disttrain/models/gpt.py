@@ -11,6 +11,7 @@ activation checkpointing recomputes, ``torch.compile`` compiles and the pipeline
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -222,6 +223,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    trim_logits: bool = False
+    """Whether ``forward`` returns logits over ``config.vocab_size`` only, without the vocabulary
+    padding. Off for training: the loss cuts the padding itself, and the untrimmed output is the
+    fresh tensor FSDP2's backward hooks need (a tensor-parallel head will mask padded columns of
+    vocabulary-sharded logits instead of slicing them). On for inference: ``from_exported`` sets
+    it, so that a softmax or argmax over the logits can never pick a padding id."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -274,7 +282,8 @@ class GPT(nn.Module):
             self.rope_sin.copy_(sin)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) → logits (B, T, padded_vocab_size).
+        """Token ids (B, T) → logits (B, T, padded_vocab_size), or (B, T, vocab_size) when
+        ``trim_logits`` is set.
 
         Columns from ``vocab_size`` on are padding: ``trim_padding`` cuts them off, and
         ``GPTModule``'s loss and ``generate`` do, so they are never predicted. Returning the padded
@@ -292,7 +301,47 @@ class GPT(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.config.pos_emb == "rope" else None
         for block in self.blocks:
             x = block(x, rope)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        if self.trim_logits:
+            # contiguous: callers reshape logits with .view (nanoGPT-style losses do).
+            return self.trim_padding(logits).contiguous()
+        return logits
+
+    @classmethod
+    def from_exported(cls, path: str | os.PathLike, *, config: GPTConfig | None = None,
+                      weights_only: bool = True) -> GPT:
+        """The GPT in a file written by ``lightning-disttrain export`` / ``export_consolidated``,
+        built from the config stored with its weights, ready for inference.
+
+        The model comes back in eval mode (dropout off; call ``.train()`` to fine-tune it), in the
+        dtype the weights were exported in, with ``trim_logits`` set: ``model(idx)`` gives logits
+        over the ``vocab_size`` real tokens, without the padding columns. ``config`` is needed only
+        for files that carry none (exported before the export format had a version, or from a
+        LightningModule without a ``config`` hyper-parameter); when given it overrides the stored one.
+        ``weights_only=False`` unpickles arbitrary objects (a ``--full`` export's Lightning state):
+        trusted files only.
+        """
+        from lightning_disttrain.checkpoint.consolidate import DEFAULT_PREFIX, read_exported
+
+        exported = read_exported(path, prefix=DEFAULT_PREFIX, weights_only=weights_only)
+        if config is None:
+            if exported.model_config is None:
+                raise ValueError(
+                    f"{str(path)!r} carries no model config (exported before the format had a version, or "
+                    f"from a LightningModule without a `config` hyper-parameter); pass it: "
+                    f"GPT.from_exported(path, config=GPTConfig.from_name(...)), or re-export the checkpoint")
+            try:
+                config = GPTConfig(**exported.model_config)
+            except TypeError as err:
+                raise ValueError(f"the model config stored in {str(path)!r} is not a GPTConfig ({err}); pass "
+                                 f"config=GPTConfig(...), or build that LightningModule's own model") from err
+        model = cls(config)
+        dtypes = {t.dtype for t in exported.state_dict.values() if t.is_floating_point()}
+        if len(dtypes) == 1:
+            model.to(dtypes.pop())
+        model.load_state_dict(exported.state_dict)
+        model.trim_logits = True
+        return model.eval()
 
     def trim_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary only (a view when there is padding)."""

@@ -20,7 +20,8 @@ How Lightning drives it:
   building the data loaders) can shift the streams. Different world sizes: see ``checkpoint.rng``.
 - ``ckpt_path="last"``: Lightning picks ModelCheckpoint's ``last.ckpt``; when that name reaches
   ``load_checkpoint`` it is replaced by the newest checkpoint in its directory that verifies,
-  with a warning for each newer one skipped (an interrupted or corrupted save).
+  with a warning for each newer one skipped (an interrupted or corrupted save); an info line and
+  Lightning's own "Restored all states from ..." name the directory really loaded.
 - async: with ``async_save`` the save returns once the state is copied to CPU memory; the manifest
   is written when the background write is done. ``wait_for_checkpoint`` blocks for it; the next
   save and ``teardown`` call it, so a finished ``fit`` never leaves a checkpoint half written.
@@ -93,8 +94,9 @@ class DCPCheckpointMixin:
                              f"checkpoints are DCP directories written by every rank; drop storage_options")
         writer = self._checkpoint_writer()
         writer.async_save = bool(getattr(self, "async_save", False))
-        comm = writer.comm()
-        path = Path(comm.broadcast(str(filepath)))  # rank 0's name everywhere (names can hold times)
+        # No collective here: the save in flight may still be running its own on the checkpoint
+        # group from a background thread. `writer.save` waits for it first, then agrees on the path.
+        path = Path(filepath)
         state = {MODEL_KEY: checkpoint["state_dict"]}
         for index, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
             state[optimizer_key(index)] = optim_state
@@ -107,12 +109,15 @@ class DCPCheckpointMixin:
         writer = self._checkpoint_writer()
         writer.wait()  # never read a directory this process is still writing
         comm = writer.comm()
-        path = self._resolve_checkpoint(Path(comm.broadcast(str(checkpoint_path))), comm)
+        asked = Path(comm.broadcast(str(checkpoint_path)))
+        path = self._resolve_checkpoint(asked, comm)
         meta = load_meta(path, self.checkpoint_weights_only if weights_only is None else weights_only)
         module = self.lightning_module
         optimizers = [unwrap_optimizer(o) for o in self.optimizers] if self._fitting() else []
         load_sharded(path, module, optimizers, comm, strict=getattr(module, "strict_loading", True))
         self._stage_rng_restore(path, comm)
+        if path != asked:
+            self._name_loaded_checkpoint(path)
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -139,6 +144,16 @@ class DCPCheckpointMixin:
             self._dcp_pending_rng = None
             rng.apply_rank_rng(*pending)
         super().on_train_batch_start(batch, batch_idx)
+
+    def on_train_start(self) -> None:
+        # Lightning has printed its restore message by now: give it back the path it asked for.
+        # ModelCheckpoint never deletes trainer.ckpt_path, and the directory a "last" resume
+        # resolved to must still leave through retention, not stay behind untracked forever.
+        renamed, self._dcp_renamed_ckpt_path = getattr(self, "_dcp_renamed_ckpt_path", None), None
+        connector = getattr(getattr(self.lightning_module, "_trainer", None), "_checkpoint_connector", None)
+        if renamed is not None and connector is not None and connector._ckpt_path == renamed[1]:
+            connector._ckpt_path = renamed[0]
+        super().on_train_start()
 
     def teardown(self) -> None:
         writer = getattr(self, "_dcp_writer", None)
@@ -200,8 +215,8 @@ class DCPCheckpointMixin:
                 raise ValueError(f"ckpt_path={str(path)!r}: no complete checkpoint in {str(path.parent)!r} "
                                  f"(see the warnings above for why each was skipped); pass ckpt_path=None to "
                                  f"start from scratch, or the path of a checkpoint saved elsewhere")
-            if found != path.resolve():
-                rank_zero_info(f"Resuming from {str(found)!r}, the newest complete checkpoint beside {str(path)!r}")
+            chosen = next(c for c in candidates if c.resolved == found)
+            rank_zero_info(f"Resuming from {chosen.describe()}, the newest complete checkpoint beside {str(path)!r}")
             return found
         if path.is_file():
             raise ValueError(f"{str(path)!r} is a file, but {type(self).__name__} saves and loads checkpoint "
@@ -211,6 +226,15 @@ class DCPCheckpointMixin:
         if self.checkpoint_verify:
             verify(path)
         return path
+
+    def _name_loaded_checkpoint(self, path: Path) -> None:
+        # Lightning's "Restored all states from the checkpoint at ..." prints the connector's
+        # _ckpt_path, the name it asked for ("last.ckpt"); make it name the directory really loaded.
+        connector = getattr(getattr(self.lightning_module, "_trainer", None), "_checkpoint_connector", None)
+        if connector is None or not connector._ckpt_path:
+            return
+        self._dcp_renamed_ckpt_path = (connector._ckpt_path, str(path))
+        connector._ckpt_path = str(path)
 
     def _stage_rng_restore(self, path: Path, comm: Comm) -> None:
         saved = rng.count_saved_ranks(path)

@@ -12,6 +12,7 @@ from ckpt_helpers import save
 
 from lightning_disttrain.checkpoint import (
     MANIFEST_NAME,
+    describe_checkpoint,
     find_latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
@@ -108,3 +109,22 @@ def test_removing_a_link_keeps_its_target(tmp_path, three):
     assert not link.exists() and three[2].is_dir()
     remove_checkpoint_path(three[2])
     assert not three[2].exists()
+
+
+def test_a_fresh_run_in_the_same_directory_wins_over_the_older_runs_higher_step(tmp_path, three, trained):
+    # The quickstart run twice into one directory: the new run's first save (step 1, same name as
+    # the old run's) completed last, so resume and `export --latest` take it, not the old step 3.
+    module, opt = trained
+    save(tmp_path / "step=1.ckpt", module, opt, step=1)
+    assert find_latest_checkpoint(tmp_path) == three[0].resolve()
+    assert [c.global_step for c in list_checkpoints(tmp_path)] == [1, 3, 2]
+
+
+def test_describe_names_the_real_directory_step_and_time(tmp_path, three):
+    os.symlink("step=2.ckpt", tmp_path / "last.ckpt")
+    text = describe_checkpoint(tmp_path / "last.ckpt")
+    assert text.startswith(f"{str(three[1].resolve())!r} (global step 2, completed 20")
+    listed = next(c for c in list_checkpoints(tmp_path) if c.global_step == 2)
+    assert listed.describe() == text
+    (three[2] / MANIFEST_NAME).unlink()
+    assert describe_checkpoint(three[2]).endswith(f"(incomplete: no {MANIFEST_NAME})")

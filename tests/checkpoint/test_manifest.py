@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,16 @@ def test_unlisted_file_only_warns(ckpt):
     (ckpt / "notes.txt").write_text("hello")
     with pytest.warns(UserWarning, match="notes.txt"):
         verify_checkpoint(ckpt)
+
+
+def test_a_read_error_on_one_rank_fails_every_rank_instead_of_hanging(ckpt, tmp_path):
+    # Each rank hashes a slice of the files; an OSError on one of them is reported through the
+    # same all_gather as a bad hash, so all ranks raise the same verification error together.
+    from dist_utils import read_ranks, run_torch_script
+
+    script = Path(__file__).parent / "scripts" / "verify_io_error.py"
+    run_torch_script(script, 2, str(ckpt), str(tmp_path), timeout=120)
+    errors = [r["error"] for r in read_ranks(tmp_path, "verify", 2)]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("CheckpointVerificationError") and "could not be read" in errors[0]
+    assert "Input/output error" in errors[0]

@@ -4,17 +4,18 @@ fallback, async saves, retention, resharding 4 -> 2 ranks, bad checkpoints, cons
 Five launches of ``scripts/ckpt_run.py`` (Lightning's launcher starts the other ranks), shared by
 the tests below through one module-scoped fixture:
 
-A  2 ranks, 12 steps, async saves every 3 steps (DCP writes slowed by 1 s), keep 2: the reference
+A  2 ranks, 12 steps, async saves every 3 steps (DCP writes slowed by 2 s), keep 2: the reference
 B  2 ranks, 6 steps, sync saves every 2 steps, keep 2: the run that is "interrupted"
 C  4 ranks, 4 steps, one save at the end (plus the gathered full state): the reshard source
-D  2 ranks, one new process, several fits: resume B (via "last"), A (async), C (reshard),
+E  2 ranks, 30 steps, async saves every step with save_last=True (two saves back to back), keep 2
+D  2 ranks, one new process, several fits: resume B (via "last"), A (async), C (reshard), E,
    a "last" whose newest checkpoint is incomplete, and four damaged checkpoints
+Every launch runs the project's NDParallelStrategy; a launch that hangs fails after its timeout.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import kill_tree, popen
 
 from lightning_disttrain.checkpoint import (
     MANIFEST_NAME,
@@ -40,14 +42,15 @@ SLOW_WRITE = 2.0  # seconds each DCP file write of run A takes at least
 
 def _launch(out: Path, *args: str, devices: int = 2, timeout: float = 240) -> list[dict]:
     args = (*args, "--data", str(out.parent / "data"))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "PL_GLOBAL_SEED")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, str(SCRIPTS / "ckpt_run.py"), *args, "--out", str(out), "--devices", str(devices)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    proc = popen(cmd)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)  # rank 0 and the ranks Lightning launched from it
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} hung (killed after {timeout} s):\n{output[-6000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-8000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
 
 
@@ -85,6 +88,9 @@ def runs(tmp_path_factory):
     exported = export_consolidated(root / "a_ckpt" / "step=012.ckpt", root / "a_export.pt")
     c = _launch(root / "c", "train", "--steps", "4", "--ckpt-dir", str(root / "c_ckpt"), "--every", "4",
                 "--top-k", "1", "--dump-state", devices=4, timeout=300)
+    # E: async saves every step with save_last=True: a top-k save and a full "last" save back to back.
+    e = _launch(root / "e", "train", "--steps", "30", "--total-steps", "30", "--ckpt-dir", str(root / "e_ckpt"),
+                "--every", "1", "--top-k", "2", "--async-save", "--save-last", "true", timeout=300)
 
     # "last" whose newest checkpoint never completed: a copy of B without step 6's manifest.
     shutil.copytree(root / "b_ckpt", root / "fallback_ckpt", symlinks=True)
@@ -98,10 +104,13 @@ def runs(tmp_path_factory):
         {"name": "reshard", "ckpt_path": str(root / "c_ckpt" / "step=004.ckpt"), "steps": 6, "dump_state": True},
         {"name": "init_from_export", "ckpt_path": None, "init_from": str(exported), "steps": 1},
         *({"name": how, "ckpt_path": str(root / f"bad_{how}"), "steps": 12} for how in damaged),
+        {"name": "e_from29", "ckpt_path": str(root / "e_ckpt" / "step=029.ckpt"), "steps": 30, "total_steps": 30},
+        {"name": "e_from_last", "ckpt_path": str(root / "e_ckpt" / "last.ckpt"), "steps": 31, "total_steps": 30,
+         "dump_state": True},
     ]
     (root / "jobs.json").write_text(json.dumps(jobs))
     d = _launch(root / "d", "resume", "--jobs", str(root / "jobs.json"))
-    return {"root": root, "a": a, "b": b, "c": c, "d": d, "damaged": damaged, "listings": listings,
+    return {"root": root, "a": a, "b": b, "c": c, "d": d, "e": e, "damaged": damaged, "listings": listings,
             "link_targets": link_targets}
 
 
@@ -111,7 +120,7 @@ def _steps(losses, after: int) -> dict:
 
 def test_runs_used_the_dcp_strategy(runs):
     kinds = {r["strategy"] for key in "abc" for r in runs[key]}
-    assert len(kinds) == 1 and kinds <= {"NDParallelStrategy", "NDParallelStrategyWithDCP", "LocalFSDP2Strategy"}, kinds
+    assert kinds == {"NDParallelStrategy"}, kinds
 
 
 def test_exact_resume_after_restart_is_bitwise(runs):
@@ -140,6 +149,19 @@ def test_last_falls_back_to_previous_complete_checkpoint(runs):
         assert _steps(job["losses"], after=4) == _steps(runs["a"][rank]["losses"], after=4)
     warned = " ".join(runs["d"][0]["fallback"]["warnings"])
     assert "step=006.ckpt" in warned and MANIFEST_NAME in warned and "incomplete" in warned
+
+
+def test_restore_message_names_the_checkpoint_really_loaded(runs):
+    root = runs["root"]
+    for name, folder, loaded, step in (("fallback", "fallback_ckpt", "step=004.ckpt", 4),
+                                       ("sync_last", "b_ckpt", "step=006.ckpt", 6)):
+        job, real = runs["d"][0][name], str((root / folder / loaded).resolve())
+        # Lightning's own line names the directory loaded, not the last.ckpt it asked for.
+        assert f"Restored all states from the checkpoint at {real}" in job["infos"], job["infos"]
+        assert any(m.startswith(f"Resuming from {real!r} (global step {step}, completed ")
+                   for m in job["infos"]), job["infos"]
+        # Lightning's path again once training ran: ModelCheckpoint never deletes trainer.ckpt_path.
+        assert job["ckpt_path_after"] == str(root / folder / "last.ckpt")
 
 
 def test_async_save_resumes_exactly(runs):
@@ -232,6 +254,18 @@ def test_export_consolidated_gives_identical_logits(runs):
     assert torch.equal(logits, expected), (logits - expected).abs().max()
 
 
+def test_from_exported_gives_the_trained_logits_over_the_real_vocabulary(runs):
+    sys.path.insert(0, str(SCRIPTS))
+    from harness import VOCAB, probe_input
+
+    model = GPT.from_exported(runs["root"] / "a_export.pt")  # config (dropout 0.1 too) from the file
+    with torch.no_grad():
+        logits = model(probe_input())
+    expected = torch.load(runs["root"] / "a" / "logits.pt")  # padded: 257 real columns of 320
+    assert logits.shape == (*probe_input().shape, VOCAB) and expected.shape[-1] == 320
+    assert torch.equal(logits, expected[..., :VOCAB])
+
+
 def test_export_loads_into_a_new_sharded_run(runs):
     job = runs["d"][0]["init_from_export"]
     assert job["ok"], job.get("traceback")
@@ -248,3 +282,29 @@ def test_nd_parallel_strategy_inherits_the_mixin():
         "class NDParallelStrategy(DCPCheckpointMixin, ParallelStrategy)")
     mro = NDParallelStrategy.__mro__
     assert mro.index(DCPCheckpointMixin) < mro.index(next(c for c in mro if c.__name__ == "ParallelStrategy"))
+
+
+def test_back_to_back_async_saves_every_step_neither_hang_nor_corrupt(runs):
+    # ModelCheckpoint with save_last=True saves the top-k checkpoint and then "last.ckpt" right
+    # after it, every step (run E, 30 steps): the second save starts while the first one's
+    # background write still runs collectives on the checkpoint group. Each must wait for the
+    # other; otherwise ranks pair different collectives (a hang: _launch's timeout fails the run
+    # and kills its ranks, or one rank's file list taken for another's path).
+    root, ckpts = runs["root"], runs["root"] / "e_ckpt"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=029.ckpt", "step=030.ckpt"]
+    for name, step in (("last.ckpt", 30), ("step=029.ckpt", 29), ("step=030.ckpt", 30)):
+        assert not (ckpts / name).is_symlink()
+        manifest = verify_checkpoint(ckpts / name)
+        assert manifest.global_step == step and manifest.extra["async_save"] is True
+    for rank in (0, 1):
+        from29, from_last = runs["d"][rank]["e_from29"], runs["d"][rank]["e_from_last"]
+        assert from29["ok"], from29.get("traceback")
+        assert from29["start_step"] == 29
+        assert _steps(from29["losses"], after=29) == _steps(runs["e"][rank]["losses"], after=29)
+        assert from_last["ok"] and from_last["start_step"] == 30, from_last.get("traceback")
+    # "last.ckpt" restores the weights the step=030 checkpoint holds.
+    restored = torch.load(root / "d" / "e_from_last_restored.pt", weights_only=False)["model"]
+    exported = load_consolidated(export_consolidated(ckpts / "step=030.ckpt", root / "e30.pt", prefix=None))
+    assert restored.keys() == exported.keys()
+    for key, value in exported.items():
+        assert torch.equal(value, restored[key]), key

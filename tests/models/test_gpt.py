@@ -134,3 +134,15 @@ def test_flops_per_token_formula():
     c = model.config
     n = 85_054_464 + 50304 * 768 + 2 * 768  # blocks + padded head + final norm
     assert model.flops_per_token(1024) == 6 * n + 12 * c.n_layer * c.n_head * c.head_dim * 1024
+
+
+def test_trim_logits_switch_drops_padding_columns():
+    model = GPT(GPTConfig.from_name("tiny", vocab_size=300)).eval()  # padded to 320
+    x = torch.randint(0, 300, (2, 9))
+    padded = model(x)
+    assert padded.shape == (2, 9, 320)  # the training default is unchanged
+    model.trim_logits = True
+    trimmed = model(x)
+    assert trimmed.shape == (2, 9, 300) and trimmed.is_contiguous()
+    assert torch.equal(trimmed, padded[..., :300])
+    assert trimmed.view(-1, 300).shape == (18, 300)  # nanoGPT-style reshapes work on it

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 import traceback
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -46,10 +48,12 @@ def _trainer(args, strategy, steps: int, callbacks: list) -> L.Trainer:
                      num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=args.out)
 
 
-def _checkpointing(directory: str, every: int, top_k: int) -> ModelCheckpoint:
+def _checkpointing(directory: str, every: int, top_k: int, save_last: str = "link") -> ModelCheckpoint:
     # monitor="step", mode="max": Lightning's way of "keep the last K" (save_top_k=K).
+    # save_last=True writes "last.ckpt" as a second full save right after the top-k one.
     return ModelCheckpoint(dirpath=directory, filename="{step:03d}", every_n_train_steps=every,
-                           save_top_k=top_k, monitor="step", mode="max", save_last="link")
+                           save_top_k=top_k, monitor="step", mode="max",
+                           save_last=True if save_last == "true" else save_last)
 
 
 def cmd_train(args) -> tuple[int, dict]:
@@ -64,7 +68,7 @@ def cmd_train(args) -> tuple[int, dict]:
                    full_state_to=out / "final_state.pt" if args.dump_state else None)
     callbacks = [rec]
     if args.every:
-        callbacks.append(_checkpointing(args.ckpt_dir, args.every, args.top_k))
+        callbacks.append(_checkpointing(args.ckpt_dir, args.every, args.top_k, args.save_last))
     trainer = _trainer(args, strategy, args.steps, callbacks)
     trainer.fit(build_module(total_steps=args.total_steps), datamodule=build_data(args.data))
     return trainer.global_rank, {
@@ -89,7 +93,7 @@ def cmd_resume(args) -> tuple[int, dict]:
         trainer = _trainer(args, strategy, job["steps"], callbacks)
         module = build_module(total_steps=job.get("total_steps", 12))
         data = build_data(args.data)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _recording_info() as infos:
             warnings.simplefilter("always")
             try:
                 trainer.fit(module, datamodule=data, ckpt_path=job["ckpt_path"])
@@ -99,10 +103,25 @@ def cmd_resume(args) -> tuple[int, dict]:
                            "traceback": traceback.format_exc()[-3000:]}
         outcome.update(losses=rec.losses, samples=rec.samples, start_step=rec.start_step,
                        warnings=[str(w.message) for w in caught if "checkpoint" in str(w.message).lower()],
+                       infos=[m for m in infos if "checkpoint" in m.lower()], ckpt_path_after=str(trainer.ckpt_path),
                        strategy=strategy_kind(strategy), world_size=trainer.world_size)
         results[name] = outcome
         rank = trainer.global_rank
     return rank, results
+
+
+@contextmanager
+def _recording_info():
+    # Lightning's info lines (rank_zero_info: rank 0 only), e.g. which checkpoint it restored.
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 def _time_saves(strategy) -> list[float]:
@@ -144,6 +163,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--save-last", choices=("link", "true"), default="link")
     p.add_argument("--slow-write", type=float, default=0.0)
     p.add_argument("--logits", action="store_true", help="save logits on a fixed input after training")
     p.add_argument("--dump-state", action="store_true", help="save the full state after training")

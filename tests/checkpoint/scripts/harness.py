@@ -1,22 +1,19 @@
 """Pieces shared by the checkpoint scenario scripts: strategy, module, data, recorder.
 
-The strategy is the project's ``NDParallelStrategy`` (composed with ``DCPCheckpointMixin`` here
-if it does not inherit it yet). Without it, or with LDT_TEST_STRATEGY=local, a test-local
-``DCPCheckpointMixin`` + Lightning ``ModelParallelStrategy`` with FSDP2 applied in ``configure_model``.
+Every scenario runs the project's own ``NDParallelStrategy`` (FSDP2 over all ranks, DCP
+checkpoints through its ``DCPCheckpointMixin``) and ``GPTModule``: there is no stand-in.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_disttrain.checkpoint.dcp_io import unwrap_optimizer
 from lightning_disttrain.module import GPTModule
-from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
+from lightning_disttrain.strategies.nd_parallel import NDParallelStrategy
 
 VOCAB = 257
 SEQ_LEN = 32
@@ -24,53 +21,8 @@ MICRO_BATCH = 2
 N_SAMPLES = 4096
 
 
-def _nd_strategy_class():
-    """NDParallelStrategy with the mixin: the real class once it inherits DCPCheckpointMixin; until
-    then the same composition made here, so the mixin is already exercised against its sharding."""
-    if os.environ.get("LDT_TEST_STRATEGY", "auto") == "local":
-        return None
-    try:
-        from lightning_disttrain.strategies.nd_parallel import NDParallelStrategy
-    except ImportError:
-        if os.environ.get("LDT_TEST_STRATEGY") == "nd":
-            raise
-        return None
-    if issubclass(NDParallelStrategy, DCPCheckpointMixin):
-        return NDParallelStrategy
-    return type("NDParallelStrategyWithDCP", (DCPCheckpointMixin, NDParallelStrategy), {})
-
-
-class LocalFSDP2Strategy(DCPCheckpointMixin, ModelParallelStrategy):
-    """Stand-in for NDParallelStrategy: Lightning's ModelParallelStrategy (all ranks data parallel)
-    with our checkpointing; ``LocalShardedGPT.configure_model`` applies FSDP2."""
-
-    def __init__(self, async_save: bool = False) -> None:
-        super().__init__(data_parallel_size=1, tensor_parallel_size=1)
-        self.async_save = async_save
-
-    def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_processes * self.num_nodes
-        super().setup_environment()
-
-
-class LocalShardedGPT(GPTModule):
-    def configure_model(self) -> None:
-        super().configure_model()
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        if isinstance(self.model, FSDPModule):
-            return
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-
-
-def build_strategy(async_save: bool = False):
-    cls = _nd_strategy_class()
-    if cls is None:
-        return LocalFSDP2Strategy(async_save=async_save)
-    return cls(async_save=async_save)
+def build_strategy(async_save: bool = False) -> NDParallelStrategy:
+    return NDParallelStrategy(async_save=async_save)
 
 
 def strategy_kind(strategy) -> str:
@@ -78,10 +30,9 @@ def strategy_kind(strategy) -> str:
 
 
 def build_module(total_steps: int = 12) -> GPTModule:
-    cls = GPTModule if _nd_strategy_class() is not None else LocalShardedGPT
     # dropout > 0 so that RNG restore matters; an LR schedule so that scheduler restore matters.
-    return cls(config="tiny", vocab_size=VOCAB, model_overrides={"dropout": 0.1}, lr=3e-3,
-               schedule="cosine", warmup_steps=3, max_steps=total_steps)
+    return GPTModule(config="tiny", vocab_size=VOCAB, model_overrides={"dropout": 0.1}, lr=3e-3,
+                     schedule="cosine", warmup_steps=3, max_steps=total_steps)
 
 
 # ---- data: the project's TokenDataModule over a synthetic shard ---------------------------------
