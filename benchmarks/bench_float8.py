@@ -34,7 +34,10 @@ import torch
 from lightning_disttrain.data.embedded import embedded_documents
 from lightning_disttrain.data.tokenizer import get_tokenizer
 from lightning_disttrain.models.gpt import GPT, GPTConfig
-from lightning_disttrain.parallel.float8 import RECIPES, compare_float8_to_baseline
+from lightning_disttrain.parallel.float8 import RECIPES
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported, not run
+from float8_compare import compare_float8_to_baseline  # noqa: E402
 
 
 def corpus_batches(n: int, batch_size: int, seq_len: int, seed: int = 0, max_docs: int = 200):

@@ -31,7 +31,7 @@ from lightning_disttrain.parallel.activation import (
     apply_activation_checkpointing,
     checkpoint_config_of,
 )
-from lightning_disttrain.parallel.plan import find_blocks
+from lightning_disttrain.parallel.plan import as_block_list, find_blocks
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 
 STAGE = "activation_checkpointing"
@@ -51,8 +51,8 @@ class SelectiveActivationCheckpointing(Callback):
         preserve_rng_state: replay the RNG in recomputation so dropout masks match; turn off only
             for models without dropout, to skip saving the RNG state per block.
 
-    The blocks are the module's ``parallel_plan().blocks``, else its largest ``nn.ModuleList`` of
-    identical blocks (``lightning_disttrain.parallel.plan.find_blocks``).
+    The blocks are the module's ``parallel_plan().blocks``, else its largest ``nn.ModuleList`` or
+    ``nn.ModuleDict`` of identical blocks (``lightning_disttrain.parallel.plan.find_blocks``).
     """
 
     def __init__(
@@ -95,7 +95,7 @@ class SelectiveActivationCheckpointing(Callback):
         if self.config.policy == "none":
             self._applied = True
             return
-        blocks = find_blocks(module)
+        blocks = as_block_list(find_blocks(module))
         if any(checkpoint_config_of(b) is not None for b in blocks):
             # A second fit() on the same module: it is checkpointed already.
             self._applied = True

@@ -31,7 +31,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_disttrain.parallel.float8 import (
     DEFAULT_EXCLUDED_NAMES,
@@ -57,10 +57,11 @@ class Float8Training(Callback):
         exclude_first_last_blocks: keep the first and last transformer block in high precision.
         module_filter: ``(module, fqn) -> bool``; a Linear is converted only if this also returns
             True (in a YAML: the import path of a function).
-        exclude_names: FQN components never converted; default: heads (``lm_head``, ``output``,
-            ``head``) and MoE routers (``router``, ``gate``). Embeddings and norms are never
-            Linears, a head tied to the embedding is recognised by its weight, and Linears with a
-            dimension not divisible by 16 are always skipped.
+        exclude_names: names of Linears never converted, matched against each Linear's own name
+            (the last FQN component: ``encoder.layer.0.output.dense`` is ``dense``); default:
+            heads (``lm_head``, ``output``, ``head``) and MoE routers (``router``, ``gate``).
+            Embeddings and norms are never Linears, a head tied to the embedding is recognised by
+            its weight, and Linears with a dimension not divisible by 16 are always skipped.
         fsdp_float8_all_gather: None (default): on for ``tensorwise`` when the strategy shards
             parameters with FSDP2. Needs a lightning-disttrain strategy.
         precompute_scales: with float8 all-gather, compute all weights' scales in one all-reduce
@@ -103,7 +104,8 @@ class Float8Training(Callback):
         registry = getattr(trainer.strategy, "transforms", None)
         if isinstance(registry, TransformRegistry):
             # Idempotent by name: a second fit's setup does not register (or apply) twice.
-            registry.register(STAGE, float8_transform(self.options, self._on_applied), name=type(self).__name__)
+            registry.register(STAGE, float8_transform(self.options, self._on_applied), name=type(self).__name__,
+                              owner=self)
             self._registered = True
 
     def _on_applied(self, converted: list[str], all_gather: bool) -> None:
@@ -147,6 +149,13 @@ class Float8Training(Callback):
 
     def _report(self) -> None:
         gather = ", float8 FSDP all-gather" if self.fsdp_float8_all_gather else ""
+        if not self.converted:
+            rank_zero_warn(f"Float8Training (recipe={self.recipe!r}): 0 Linear layers converted, nothing "
+                           f"runs in float8. Only torch.nn.Linear modules are converted (not other matmul "
+                           f"modules such as Hugging Face GPT-2's Conv1D), and only those with both "
+                           f"dimensions divisible by 16, not named in exclude_names {self.options.exclude_names} "
+                           f"and not tied to an embedding; remove the callback or adapt the model")
+            return
         rank_zero_info(f"Float8Training (recipe={self.recipe!r}{gather}): {len(self.converted)} Linear "
                        f"layers in float8")
 

@@ -18,13 +18,18 @@ every optimizer step, so the step time is the GPU's too):
   they cannot be told apart from compute.
 - the rest (``1 - data_wait - compute``): loop overhead, other callbacks, checkpoints, logging.
 
-FLOPs are the model's (``pl_module.flops_per_token(seq_len)``, or ``flops_per_token=``): the
-PaLM / Chinchilla count 6·N + 12·L·H·Dh·T per token, with no discount for the causal mask (what
-the hardware is asked to do with SDPA's causal kernels is not counted; the convention is shared
-by PaLM, nanoGPT and torchtitan, so MFUs compare). For MoE models that count must use the
-*active* parameters per token. Achieved FLOP/s per device = FLOPs per token x global tokens/s /
-world size; MFU = that / the device's dense peak (``peak_flops``: the bf16 figure, the fp8 one when
-Float8Training is active, a measured fp32 matmul on CPU).
+FLOPs per token come from (first that applies) ``MFUMonitor(flops_per_token=...)``, the
+LightningModule's ``flops_per_token(seq_len)`` (GPTModule's: 6·N + 12·L·H·Dh·T), or are measured on
+the first training micro-batch of each sequence length: 3 x its forward's matmul and attention
+FLOPs, counted by ``FlopCounterMode`` (``peak_flops.forward_flop_counter`` says what is counted and
+why). Neither discounts the causal mask (as PaLM, nanoGPT and torchtitan count, so MFUs compare);
+MoE models must count *active* parameters (a measurement does). ``flops_source`` says which.
+
+Achieved FLOP/s per device = FLOPs per token x global tokens/s / world size. ``perf/mfu`` is that
+over the device's dense bf16 peak, also in float8 runs (as torchtitan reports it), a measured fp32
+matmul on CPU. When the model has float8 ``Float8Linear`` layers, ``perf/mfu_fp8`` is the same
+FLOP/s over the dense fp8 peak (all model FLOPs, also those of the matmuls left in bf16: the
+attention, the head).
 """
 
 from __future__ import annotations
@@ -40,55 +45,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_disttrain.callbacks.peak_flops import chip_of, measure_cpu_peak_flops
-
-FETCH_ACTION = "train_dataloader_next"
-
-
-class _FetchTimingProfiler(Profiler):
-    """The Trainer's profiler, unchanged, plus a clock on the training dataloader's ``next()``."""
-
-    def __init__(self, inner: Profiler) -> None:
-        # No Profiler.__init__: files, streams and state stay the wrapped profiler's.
-        self.inner = inner
-        self.fetch_s = 0.0
-        self._t0: float | None = None
-
-    def start(self, action_name: str) -> None:
-        if action_name.endswith(FETCH_ACTION):
-            self._t0 = time.perf_counter()
-        self.inner.start(action_name)
-
-    def stop(self, action_name: str) -> None:
-        self.inner.stop(action_name)
-        if action_name.endswith(FETCH_ACTION) and self._t0 is not None:
-            self.fetch_s += time.perf_counter() - self._t0
-            self._t0 = None
-
-    def summary(self) -> str:
-        return self.inner.summary()
-
-    def describe(self) -> None:
-        self.inner.describe()
-
-    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
-        self.inner.setup(stage, local_rank=local_rank, log_dir=log_dir)
-
-    def teardown(self, stage: str | None) -> None:
-        self.inner.teardown(stage)
-
-    def __getattr__(self, name: str) -> Any:  # dirpath, filename, ... of the wrapped profiler
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __del__(self) -> None:
-        pass  # the wrapped profiler tears itself down
-
+from lightning_disttrain.callbacks.fetch_timing import FetchTimingProfiler
+from lightning_disttrain.callbacks.peak_flops import forward_flop_counter, measure_cpu_peak_flops, table_peak
+from lightning_disttrain.parallel.float8 import has_float8
 
 @dataclass
 class _Step:
@@ -148,98 +110,129 @@ class MFUMonitor(Callback):
     """Log throughput and model FLOPs utilisation through the Trainer's loggers under ``perf/``.
 
     Keys (averaged over the last ``window`` optimizer steps): ``perf/tokens_per_sec`` (global),
-    ``perf/tokens_per_sec_per_device``, ``perf/tflops_per_device``, ``perf/mfu`` (a fraction),
-    ``perf/peak_tflops``, ``perf/step_time_s``, ``perf/data_wait_frac``, ``perf/compute_frac``, and
-    ``perf/peak_mem_gib`` (CUDA ``max_memory_allocated``) or, on CPU, ``perf/peak_rss_gib`` (the
-    process's peak resident memory: it includes everything the process holds, not only tensors).
+    ``perf/tokens_per_sec_per_device``, ``perf/tflops_per_device``, ``perf/mfu`` (a fraction, of the
+    dense bf16 peak), ``perf/peak_tflops``, ``perf/step_time_s``, ``perf/data_wait_frac``,
+    ``perf/compute_frac``, and ``perf/peak_mem_gib`` (CUDA ``max_memory_allocated``) or, on CPU,
+    ``perf/peak_rss_gib`` (the process's peak resident memory: it includes everything the process
+    holds, not only tensors). With ``Float8Linear`` layers in the model also ``perf/mfu_fp8`` and
+    ``perf/peak_tflops_fp8`` (of the dense fp8 peak).
 
     Args:
         window: optimizer steps averaged per logged value, and the span the low-MFU check looks at.
-        peak_flops: the device's peak FLOP/s; None looks it up by device name (dense bf16, or fp8
-            when Float8Training is active) or measures it on CPU.
+        peak_flops: the device's dense bf16 peak FLOP/s; None looks it up by device name or
+            measures it on CPU.
         warn_below: warn, with the likely cause, when MFU over a full window after warm-up is
             below this (0 turns the warning off).
         flops_per_token: training FLOPs per token, a number or ``fn(seq_len)``; None uses the
-            LightningModule's ``flops_per_token(seq_len)`` method or attribute.
+            LightningModule's ``flops_per_token(seq_len)`` method or attribute, else measures;
+            ``"measure"`` measures even when the module has one (see the module docstring).
         warmup_steps: optimizer steps (compilation, allocator warm-up) before the check may fire.
         log_every_n_steps: None: the Trainer's ``log_every_n_steps``.
         tokens_fn: ``batch -> (tokens on this rank, seq_len)``; default: ``x`` of an ``(x, y)`` batch.
         sync_cuda: synchronise CUDA at the end of each optimizer step so host clocks time the GPU.
+        peak_flops_fp8: the dense fp8 peak FLOP/s for ``perf/mfu_fp8``; None looks it up by name.
     """
 
     def __init__(self, window: int = 20, peak_flops: float | None = None, warn_below: float = 0.30,
-                 flops_per_token: float | Callable[[int], float] | None = None, warmup_steps: int = 3,
+                 flops_per_token: float | Callable[[int], float] | str | None = None, warmup_steps: int = 3,
                  log_every_n_steps: int | None = None,
                  tokens_fn: Callable[[Any], tuple[int, int]] | None = None, sync_cuda: bool = True,
-                 data_wait_threshold: float = 0.2, small_batch_tokens: int = 8192) -> None:
+                 data_wait_threshold: float = 0.2, small_batch_tokens: int = 8192,
+                 peak_flops_fp8: float | None = None) -> None:
         if window < 1 or warmup_steps < 0:
             raise ValueError(f"MFUMonitor(window={window}, warmup_steps={warmup_steps}): use window >= 1 "
                              f"and warmup_steps >= 0")
-        if peak_flops is not None and peak_flops <= 0:
-            raise ValueError(f"peak_flops={peak_flops} must be a positive FLOP/s figure, e.g. 989.4e12")
+        for name, peak in (("peak_flops", peak_flops), ("peak_flops_fp8", peak_flops_fp8)):
+            if peak is not None and peak <= 0:
+                raise ValueError(f"{name}={peak} must be a positive FLOP/s figure, e.g. 989.4e12")
+        if isinstance(flops_per_token, str) and flops_per_token != "measure":
+            raise ValueError(f"flops_per_token={flops_per_token!r}: pass a number, fn(seq_len), "
+                             f"'measure' or None")
         self.window, self.warn_below, self.warmup_steps = window, warn_below, warmup_steps
         self.log_every_n_steps, self.sync_cuda = log_every_n_steps, sync_cuda
         self.data_wait_threshold, self.small_batch_tokens = data_wait_threshold, small_batch_tokens
-        self._peak_arg, self._flops_arg, self._tokens_fn = peak_flops, flops_per_token, tokens_fn or count_tokens
+        self._peak_arg, self._peak_fp8_arg = peak_flops, peak_flops_fp8
+        self._flops_arg, self._tokens_fn = flops_per_token, tokens_fn or count_tokens
         self.peak: float | None = None
-        """Peak FLOP/s per device in use (None: unknown, MFU not logged)."""
+        """Dense bf16 peak FLOP/s per device (None: unknown, MFU not logged)."""
         self.peak_source = ""
-        """Where ``peak`` came from: ``user``, ``table: <chip> <dtype> dense`` or ``measured: ...``."""
+        """Where ``peak`` came from: ``user``, ``table: <chip> bf16 dense`` or ``measured: ...``."""
+        self.peak_fp8: float | None = None
+        """Dense fp8 peak FLOP/s per device, when the model has float8 layers and it is known."""
+        self.flops_source = ""
+        """Where the FLOPs per token come from: ``user``, ``analytic: <Module>.flops_per_token`` or
+        ``measured: ...``."""
+        self.flops_per_token: dict[int, float] = {}
+        """Training FLOPs per token in use, by sequence length."""
         self.metrics: dict[str, float] = {}
         """The last values logged."""
         self.warnings: list[str] = []
         """Low-MFU warnings issued in this run."""
         self._steps: deque[_Step] = deque(maxlen=window)
-        self._fetch: _FetchTimingProfiler | None = None
+        self._fetch: FetchTimingProfiler | None = None
+        self._measuring: tuple[Any, int, int] | None = None
 
     # ---- set-up --------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and not isinstance(trainer.profiler, _FetchTimingProfiler):
-            self._fetch = _FetchTimingProfiler(trainer.profiler)
+        if stage == "fit" and not isinstance(trainer.profiler, FetchTimingProfiler):
+            self._fetch = FetchTimingProfiler(trainer.profiler)
             trainer.profiler = self._fetch
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_measuring()
         if self._fetch is not None and trainer.profiler is self._fetch:
             trainer.profiler = self._fetch.inner  # before the Trainer's profiler.describe()
         self._fetch = None
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_measuring()  # a dispatch mode left on the stack would count every later op
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flops_fn = self._resolve_flops(pl_module)
-        self._flops_cache: dict[int, float] = {}
+        self._flops_fn, self.flops_source = self._resolve_flops(pl_module)
+        self.flops_per_token = {}
         self._world = trainer.world_size
         self._dp = _data_parallel_size(trainer)
         self._device = pl_module.device
-        self.peak, self.peak_source = self._resolve_peak(trainer, pl_module)
+        self.peak, self.peak_source = self._resolve_peak(pl_module)
         if self.peak is not None:
             rank_zero_info(f"MFUMonitor: peak {self.peak / 1e12:.4g} TFLOP/s per device ({self.peak_source})")
+        if self._flops_fn is not None:
+            rank_zero_info(f"MFUMonitor: FLOPs per token from {self.flops_source}")
 
-    def _resolve_flops(self, pl_module: pl.LightningModule) -> Callable[[int], float]:
-        src = self._flops_arg if self._flops_arg is not None else getattr(pl_module, "flops_per_token", None)
+    def _resolve_flops(self, pl_module: pl.LightningModule) -> tuple[Callable[[int], float] | None, str]:
+        if self._flops_arg == "measure":
+            return None, "measured"
+        if self._flops_arg is not None:
+            src, source = self._flops_arg, "user"
+        else:
+            src = getattr(pl_module, "flops_per_token", None)
+            source = f"analytic: {type(pl_module).__name__}.flops_per_token"
         if src is None:
-            raise ValueError(f"MFUMonitor needs the model's training FLOPs per token: define "
-                             f"flops_per_token(seq_len) on {type(pl_module).__name__} (GPTModule has it) or pass "
-                             f"MFUMonitor(flops_per_token=6 * n_params + ...)")
+            return None, "measured"
         if callable(src):
-            return lambda seq_len: float(src(seq_len))
+            return (lambda seq_len: float(src(seq_len))), source
         value = float(src)
-        return lambda seq_len: value
+        return (lambda seq_len: value), source
 
-    def _resolve_peak(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[float | None, str]:
-        if self._peak_arg is not None:
-            return float(self._peak_arg), "user"
+    def _resolve_peak(self, pl_module: pl.LightningModule, float8: bool = False) -> tuple[float | None, str]:
+        dtype = "fp8" if float8 else "bf16"
+        user = self._peak_fp8_arg if float8 else self._peak_arg
+        if user is not None:
+            return float(user), "user"
         device = pl_module.device
-        if device.type == "cpu":
+        if device.type == "cuda":
+            peak, source = table_peak(torch.cuda.get_device_name(device), float8=float8)
+        elif device.type == "cpu":
+            if float8:  # emulated there: an fp8 utilisation would mean nothing
+                return None, "float8 is emulated on CPU"
             return measure_cpu_peak_flops(), "measured: fp32 matmul micro-benchmark on CPU"
-        if device.type != "cuda":
-            rank_zero_warn(f"MFUMonitor has no peak FLOP/s for {device.type!r} devices; MFU is not logged. "
-                           f"Pass MFUMonitor(peak_flops=...)")
-            return None, ""
-        name = torch.cuda.get_device_name(device)
-        peak, source = table_peak(name, float8=_float8_active(trainer, pl_module))
+        else:
+            peak, source = None, f"no dense {dtype} peak known for {device.type!r} devices"
         if peak is None:
-            rank_zero_warn(f"MFUMonitor: {source}; MFU is not logged. Pass MFUMonitor(peak_flops=...) "
-                           f"(FLOP/s per device)")
+            arg = "peak_flops_fp8" if float8 else "peak_flops"
+            rank_zero_warn(f"MFUMonitor: {source}; {'perf/mfu_fp8' if float8 else 'MFU'} is not logged. "
+                           f"Pass MFUMonitor({arg}=...) (FLOP/s per device)")
         return peak, source
 
     # ---- per batch -----------------------------------------------------------------------
@@ -249,6 +242,10 @@ class MFUMonitor(Callback):
         self._last_global_step = trainer.global_step
         self._steps_seen = 0
         self._warned: set[str] = set()
+        # Here, not in on_fit_start: Float8Training swaps Linears in its own on_fit_start.
+        self.peak_fp8 = None
+        if has_float8(pl_module):
+            self.peak_fp8, _ = self._resolve_peak(pl_module, float8=True)
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
         self._reset_step(time.perf_counter())
@@ -263,14 +260,47 @@ class MFUMonitor(Callback):
                              batch_idx: int) -> None:
         self._t_batch = time.perf_counter()
         tokens, seq_len = self._tokens_fn(batch)
-        if seq_len not in self._flops_cache:
-            self._flops_cache[seq_len] = self._flops_fn(seq_len)
         self._tokens += tokens * self._dp
-        self._flops += tokens * self._dp * self._flops_cache[seq_len]
         self._micro_tokens = max(self._micro_tokens, tokens)
+        if seq_len not in self.flops_per_token:
+            if self._flops_fn is None:
+                # This batch's FLOPs are added once its forward has been counted.
+                self._measuring = (forward_flop_counter().__enter__(), tokens, seq_len)
+                return
+            self.flops_per_token[seq_len] = self._flops_fn(seq_len)
+        self._flops += tokens * self._dp * self.flops_per_token[seq_len]
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._finish_measuring()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._finish_measuring()  # when a strategy ran backward inside training_step
+
+    def _stop_measuring(self) -> Any:
+        measuring, self._measuring = self._measuring, None
+        if measuring is not None:
+            measuring[0].__exit__(None, None, None)
+        return measuring
+
+    def _finish_measuring(self) -> None:
+        measuring = self._stop_measuring()
+        if measuring is None:
+            return
+        counter, tokens, seq_len = measuring
+        forward = counter.get_total_flops()
+        if forward == 0:
+            rank_zero_warn("MFUMonitor counted no matmul or attention FLOPs in the forward of the first "
+                           "training micro-batch; pass MFUMonitor(flops_per_token=...)")
+        self.flops_per_token[seq_len] = 3.0 * forward / tokens
+        self.flops_source = (f"measured: FlopCounterMode, 3 x forward of the first micro-batch "
+                             f"(seq_len {seq_len})")
+        self._flops += tokens * self._dp * self.flops_per_token[seq_len]
+        rank_zero_info(f"MFUMonitor: {self.flops_per_token[seq_len] / 1e6:.4g} MFLOP per token at "
+                       f"seq_len {seq_len}, {self.flops_source}")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
+        self._finish_measuring()  # no backward ran (training_step returned None)
         stepped = trainer.global_step != self._last_global_step
         if stepped and self.sync_cuda and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
@@ -318,6 +348,9 @@ class MFUMonitor(Callback):
         if self.peak is not None:
             m["perf/mfu"] = flops_per_device / self.peak
             m["perf/peak_tflops"] = self.peak / 1e12
+        if self.peak_fp8 is not None:
+            m["perf/mfu_fp8"] = flops_per_device / self.peak_fp8
+            m["perf/peak_tflops_fp8"] = self.peak_fp8 / 1e12
         if self._device.type == "cuda":
             m["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated(self._device) / 2**30
         else:
@@ -345,17 +378,6 @@ class MFUMonitor(Callback):
         rank_zero_warn(message)
 
 
-def table_peak(device_name: str, float8: bool = False) -> tuple[float | None, str]:
-    """(peak FLOP/s, where it came from) for a CUDA device: the dense fp8 figure when float8
-    matmuls are in use, else the dense bf16 one; (None, why) when the table has no figure."""
-    dtype = "fp8" if float8 else "bf16"
-    chip = chip_of(device_name)
-    peak = None if chip is None else (chip.fp8 if float8 else chip.bf16)
-    if peak is None:
-        return None, f"no dense {dtype} peak known for {device_name!r}"
-    return peak, f"table: {chip.chip} {dtype} dense"
-
-
 def _data_parallel_size(trainer: pl.Trainer) -> int:
     try:
         kwargs = trainer.strategy.distributed_sampler_kwargs
@@ -364,10 +386,3 @@ def _data_parallel_size(trainer: pl.Trainer) -> int:
     if kwargs and "num_replicas" in kwargs:
         return int(kwargs["num_replicas"])
     return trainer.world_size
-
-
-def _float8_active(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    from lightning_disttrain.callbacks.float8 import Float8Training
-    from lightning_disttrain.parallel.float8 import has_float8
-
-    return any(isinstance(c, Float8Training) for c in trainer.callbacks) or has_float8(pl_module)

@@ -1,4 +1,5 @@
-"""Peak dense FLOP/s per device, for MFU: a table by CUDA device name, and a CPU measurement.
+"""FLOP figures for MFU: peak dense FLOP/s per device (a table by CUDA device name, a CPU
+measurement), and a counter of a model's forward FLOPs.
 
 Dense figures only. NVIDIA's datasheets print the tensor-core numbers "with sparsity" (2:4
 structured sparsity, which training does not use) in the headline column; every figure here is
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 T = 1e12
 
@@ -131,3 +133,53 @@ def measure_cpu_peak_flops(n: int = 1024, min_seconds: float = 0.25) -> float:
         best, spent, reps = min(best, dt), spent + dt, reps + 1
     _CPU_PEAK[threads] = 2 * n**3 / best
     return _CPU_PEAK[threads]
+
+
+def table_peak(device_name: str, float8: bool = False) -> tuple[float | None, str]:
+    """(peak FLOP/s, where it came from) for a CUDA device: the dense fp8 figure with ``float8``,
+    else the dense bf16 one; (None, why) when the table has no figure."""
+    dtype = "fp8" if float8 else "bf16"
+    chip = chip_of(device_name)
+    peak = None if chip is None else (chip.fp8 if float8 else chip.bf16)
+    if peak is None:
+        return None, f"no dense {dtype} peak known for {device_name!r}"
+    return peak, f"table: {chip.chip} {dtype} dense"
+
+
+def _forward_only(formula):
+    def count(*args, **kwargs) -> int:
+        # A graph task is running: this op is part of a backward pass (activation checkpointing's
+        # recomputation included), whose FLOPs the x3 already stands for.
+        if torch._C._current_graph_task_id() != -1:
+            return 0
+        return formula(*args, **kwargs)
+
+    count._get_raw = True  # FlopCounterMode: already shape-wrapped, pass it through as is
+    return count
+
+
+def forward_flop_counter() -> FlopCounterMode:
+    """A ``FlopCounterMode`` (enter it yourself) that counts forward matmul and attention FLOPs.
+
+    Training FLOPs are 3 x this count: each forward matmul (attention's two included) has two of
+    the same size in backward, the input's gradient and the weight's. Why count the forward and
+    multiply rather than count forward and backward: ops run inside backward are not model FLOPs
+    when activation checkpointing recomputes the forward there, and torch counts the backward of
+    fused attention kernels inconsistently (CUDA flash: with its recomputation of QK^T; CPU: not
+    at all). Ops run while a backward is in progress are therefore not counted, so a counter left
+    open over backward and the optimizer still counts the forward only; the optimizer's own
+    matmuls (Muon's Newton-Schulz iterations) are not model FLOPs, so stop it before the step.
+
+    CPU's fused attention kernel (``_scaled_dot_product_flash_attention_for_cpu``) is missing from
+    torch's FLOP registry; it is counted here with the formula of the CUDA kernels. Norms,
+    activations and the loss are not counted (the analytic 6·N formula leaves them out too).
+    """
+    aten = torch.ops.aten
+    mapping = {op: _forward_only(formula) for op, formula in flop_registry.items()}
+    sdpa = flop_registry[aten._scaled_dot_product_flash_attention]
+    for name in ("_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_fused_attention_overrideable"):
+        op = getattr(aten, name, None)
+        if op is not None and op not in mapping:
+            mapping[op] = _forward_only(sdpa)
+    return FlopCounterMode(display=False, custom_mapping=mapping)

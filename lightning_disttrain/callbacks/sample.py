@@ -36,11 +36,17 @@ class SampleGeneration(L.Callback):
         self.samples.append((trainer.global_step, text))
         rank_zero_info(f"\n----- sample at step {trainer.global_step} -----\n{text}\n" + "-" * 40)
 
+    def _sampled_at(self, step: int) -> bool:
+        return bool(self.samples) and self.samples[-1][0] == step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # global_step stays put across the micro-batches of gradient accumulation: one sample per step.
         step = trainer.global_step
-        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and \
-                (not self.samples or self.samples[-1][0] != step):
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and not self._sampled_at(step):
             self._sample(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._sample(trainer, pl_module)
+        # When the last step was also an every_n_steps step the model has not changed since: the
+        # same seed would print the same text again.
+        if not self._sampled_at(trainer.global_step):
+            self._sample(trainer, pl_module)

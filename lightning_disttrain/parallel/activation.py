@@ -25,11 +25,27 @@ hooks (FSDP2's all-gather / reshard, float8's) stay outside the checkpointed reg
 around a wrapper. The bound method is a ``types.MethodType``, so ``copy.deepcopy`` of a
 checkpointed model checkpoints the copy's own weights. (Pickling restores the block without
 checkpointing: apply again after unpickling.)
+
+Blocks that write a KV cache: checkpointing runs a block's forward twice (forward, then the
+recomputation in backward), so whatever the forward writes outside the block is written twice.
+Hugging Face decoder layers append their keys/values to the ``Cache`` object they are passed
+(``use_cache`` defaults to ``True`` in their configs, also in training): in the recomputation the
+layer reads back its own first write, attends over 2T keys and slices them back to T. Selective
+checkpointing replays the forward's per-op decisions by (op, invocation index), so the extra
+``cat``/``slice`` ops fail with "aten.slice.Tensor encountered during backward but not found in
+storage"; full checkpointing gets the right numbers by coincidence, leaves a cache of twice the
+length and keeps every layer's keys/values alive. So while a block is checkpointed with
+gradients on, a cache argument it is given (``cache``, ``past_key_values``, ``past_key_value``,
+``layer_past``, by keyword or position) is replaced by None, as HF's own gradient checkpointing
+does (``GradientCheckpointingLayer``), unless the block declares ``_can_checkpoint_with_cache``
+(a layer that only reads the cache). Without gradients (generation) the cache is left alone.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,6 +60,8 @@ from torch.utils.checkpoint import (
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+
+from lightning_disttrain.parallel.plan import as_block_list
 
 ACPolicy = Literal["none", "selective", "block", "full"]
 MatmulRecompute = Literal["none", "every_other"]
@@ -139,12 +157,14 @@ def selective_context_fn(
 ) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``checkpoint`` that saves ``save_ops``' outputs and recomputes the rest.
 
-    ``checkpoint`` calls ``context_fn`` once per checkpointed call, so the matmul counter below
-    is per block and per forward: the 2nd, 4th, ... matmul *of this block in this step* is
-    recomputed, whatever happened in other blocks or steps. Counting is split between forward
-    and recomputation because older torch versions consult the policy again while recomputing
-    (``ctx.is_recompute=True``); each pass must see the same sequence 1, 2, 3, ... to make the
-    same choices. (torch 2.13 consults it in forward only and replays those choices by index.)
+    The decision depends on the op alone, and with ``"every_other"`` on its place among this
+    block's matmuls in this call: nothing that differs between the forward and the recomputation.
+    torch (2.13) asks the policy in the forward only, files each op's output (or "recompute")
+    under (op, n-th call of that op), and the recomputation looks its ops up by the same key; so
+    the recomputation must run the very ops the forward ran, which is why checkpointed blocks run
+    without a KV cache (module docstring). ``checkpoint`` calls ``context_fn`` once per call, so
+    the matmul counter is per block and per forward. It is split by ``ctx.is_recompute`` for
+    older torch, which consults the policy again while recomputing: each pass counts 1, 2, 3, ...
     """
     every_other = recompute_matmuls == "every_other"
 
@@ -167,12 +187,54 @@ def selective_context_fn(
     return context_fn
 
 
+CACHE_ARGUMENTS: tuple[str, ...] = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""Names under which blocks receive a KV cache they write to (Hugging Face's, across versions)."""
+
+_positional_names: dict[type, tuple[str, ...]] = {}
+_CACHE_WARNED = "_ldt_ac_cache_warned"  # instance attribute: this block said it drops its cache
+
+
+def _parameter_names(cls: type) -> tuple[str, ...]:
+    # Follows __wrapped__ through HF's decorators to the real signature.
+    if cls not in _positional_names:
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]  # drop self
+        except (TypeError, ValueError):
+            params = []
+        _positional_names[cls] = tuple(
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return _positional_names[cls]
+
+
+def _without_cache(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with any cache the block would write replaced by None."""
+    if getattr(block, "_can_checkpoint_with_cache", False):
+        return args, kwargs
+    dropped = [name for name in CACHE_ARGUMENTS if kwargs.get(name) is not None]
+    if dropped:
+        kwargs = {**kwargs, **dict.fromkeys(dropped, None)}
+    names = _parameter_names(type(block))
+    positions = [i for i, name in enumerate(names[:len(args)])
+                 if name in CACHE_ARGUMENTS and args[i] is not None]
+    if positions:
+        args = tuple(None if i in positions else a for i, a in enumerate(args))
+        dropped += [names[i] for i in positions]
+    if dropped and not block.__dict__.get(_CACHE_WARNED):
+        object.__setattr__(block, _CACHE_WARNED, True)
+        warnings.warn(f"activation checkpointing: {type(block).__name__} was given a KV cache "
+                      f"({', '.join(dropped)}) in training; the recomputation in backward would "
+                      f"write it a second time, so checkpointed blocks run without it (pass "
+                      f"use_cache=False to the model to silence this)", stacklevel=3)
+    return args, kwargs
+
+
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     # Bound to the block as an instance attribute; runs the class's own forward under checkpoint.
     forward = type(self).forward.__get__(self)
     if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, so nothing to trade
         return forward(*args, **kwargs)
     cfg: ActivationCheckpointConfig = getattr(self, _MARK)
+    args, kwargs = _without_cache(self, args, kwargs)
     extra = {}
     if cfg.policy == "selective":
         extra["context_fn"] = self._ldt_ac_context_fn
@@ -208,12 +270,12 @@ def checkpoint_block(block: nn.Module, config: ActivationCheckpointConfig,
 def remove_activation_checkpointing(blocks: Iterable[nn.Module]) -> None:
     """Undo ``apply_activation_checkpointing``: blocks run their class's forward again."""
     for block in blocks:
-        for name in ("forward", _MARK, "_ldt_ac_context_fn"):
+        for name in ("forward", _MARK, "_ldt_ac_context_fn", _CACHE_WARNED):
             block.__dict__.pop(name, None)
 
 
 def apply_activation_checkpointing(
-    blocks: nn.ModuleList,
+    blocks: nn.ModuleList | nn.ModuleDict,
     policy: ACPolicy = "selective",
     every_k: int = 2,
     recompute_matmuls: MatmulRecompute = "none",
@@ -233,6 +295,7 @@ def apply_activation_checkpointing(
                                         preserve_rng_state=preserve_rng_state)
     if config.policy == "none":
         return []
+    blocks = as_block_list(blocks)  # a ModuleDict's blocks in insertion order
     if config.policy == "block":
         chosen = [i for i in range(len(blocks)) if i % config.every_k == 0]
         per_block = ActivationCheckpointConfig(policy="full", preserve_rng_state=preserve_rng_state)

@@ -1,5 +1,6 @@
-"""Float8 training: which ``nn.Linear``s to swap, the swap itself (stage 1, ``dtype``), and a
-loss-gap check against a high-precision baseline. Plain torch + torchao, no Lightning.
+"""Float8 training: which ``nn.Linear``s to swap, and the swap itself (stage 1, ``dtype``). Plain
+torch + torchao, no Lightning. (The loss-gap comparison with a high-precision baseline is a
+benchmark: ``benchmarks/float8_compare.py``.)
 
 What float8 changes and what it does not (torchao ``Float8Linear``): the inputs, weights and
 output gradients of the swapped matmuls are cast to float8 with dynamic scales (tensorwise or
@@ -22,24 +23,24 @@ kernel about 100x slower than an fp32 matmul, too slow even for tests.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from lightning_disttrain.parallel.transforms import Transform, TransformContext
 
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 DEFAULT_EXCLUDED_NAMES: tuple[str, ...] = ("lm_head", "output", "head", "router", "gate")
-"""FQN components (exact, between dots) never converted: output heads and MoE routers/gates.
-``gate`` matches an MoE gate (Mixtral ``block_sparse_moe.gate``, torchtitan ``router.gate``), not
-LLaMA's MLP projection ``gate_proj``, which should be converted."""
+"""Names of Linears never converted: output heads and MoE routers/gates. Matched exactly against
+the Linear's own name, the last FQN component (``linear_name``), not against its parents: HF
+BERT's FFN output projection ``encoder.layer.0.output.dense`` is named ``dense`` and converted,
+while torchtitan's head ``output``, HF's ``lm_head``, an MoE gate (Mixtral
+``block_sparse_moe.gate``, torchtitan ``moe.router.gate``) are not. LLaMA's MLP projection
+``gate_proj`` is not ``gate`` and is converted. A router whose Linear has a name of its own
+(DBRX's ``router.layer``) needs ``exclude_names`` or ``module_filter``."""
 FP8_MIN_CAPABILITY = (8, 9)
 """CUDA compute capability with float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)."""
 
@@ -59,7 +60,7 @@ class Float8Options:
     """Also keep every Linear of the first and the last block in high precision (they are the
     most sensitive to quantisation in deep models)."""
     exclude_names: tuple[str, ...] = DEFAULT_EXCLUDED_NAMES
-    """FQN components whose Linears are never converted (see ``DEFAULT_EXCLUDED_NAMES``)."""
+    """Linear names (the last FQN component) never converted (see ``DEFAULT_EXCLUDED_NAMES``)."""
     module_filter: ModuleFilter | None = None
     """A user filter AND-ed with the defaults: a Linear is converted only if it returns True."""
     fsdp_float8_all_gather: bool | None = None
@@ -102,15 +103,26 @@ def check_float8_support(device: torch.device | str, capability: tuple[int, int]
             f"(train with precision='bf16-mixed') or run on an fp8-capable GPU")
 
 
-def _blocks_prefix(model: nn.Module) -> tuple[str, int]:
-    """FQN of the repeated blocks' ModuleList in ``model`` and how many blocks it has."""
+def _edge_block_prefixes(model: nn.Module) -> tuple[str, str]:
+    """FQN prefixes (with a trailing dot) of the first and the last repeated block of ``model``."""
     from lightning_disttrain.parallel.plan import find_blocks
 
     blocks = find_blocks(model)
     for name, sub in model.named_modules():
         if sub is blocks:
-            return name, len(blocks)
+            keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
+            dot = f"{name}." if name else ""
+            return f"{dot}{keys[0]}.", f"{dot}{keys[-1]}."
     raise ValueError("the blocks returned by parallel_plan() are not a submodule of the model")
+
+
+def linear_name(fqn: str) -> str:
+    """The name a Linear goes by in ``fqn``: its last component, or, when that is an index into a
+    container (``moe.router.0``), the container's name."""
+    parts = fqn.split(".")
+    while len(parts) > 1 and parts[-1].isdigit():
+        parts.pop()
+    return parts[-1]
 
 
 def float8_module_filter(model: nn.Module, options: Float8Options) -> ModuleFilter:
@@ -118,16 +130,14 @@ def float8_module_filter(model: nn.Module, options: Float8Options) -> ModuleFilt
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     edge_prefixes: tuple[str, ...] = ()
     if options.exclude_first_last_blocks:
-        prefix, n = _blocks_prefix(model)
-        dot = f"{prefix}." if prefix else ""
-        edge_prefixes = (f"{dot}0.", f"{dot}{n - 1}.")
+        edge_prefixes = _edge_block_prefixes(model)
     excluded = set(options.exclude_names)
     from torchao.float8.float8_linear import Float8Linear
 
     def keep_in_float8(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):
             return False  # already converted (a second fit on the same module)
-        if excluded.intersection(fqn.split(".")):
+        if linear_name(fqn) in excluded:
             return False
         if id(module.weight) in embedding_weights:
             return False  # a head tied to the embedding, whatever its name
@@ -247,124 +257,3 @@ def float8_transform(options: Float8Options, on_applied: Callable[[list[str], bo
             on_applied(converted, all_gather)
 
     return float8
-
-
-# ---- loss gap against a high-precision baseline -----------------------------------------------
-
-
-@dataclass
-class Float8Comparison:
-    """Two runs from the same initial weights over the same batches: float8 vs a baseline."""
-
-    recipe: str
-    baseline: str
-    """``"bf16-autocast"`` or ``"fp32"``: what the baseline (and the float8 run's other ops) ran in."""
-    baseline_losses: list[float]
-    float8_losses: list[float]
-    converted: list[str]
-    tail: int
-    """Steps at the end over which the losses are averaged for ``gap_pct``."""
-    baseline_s_per_step: float = 0.0
-    float8_s_per_step: float = 0.0
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def gap_pct(self) -> float:
-        """(mean float8 loss - mean baseline loss) / mean baseline loss x 100 over the last ``tail``
-        steps: positive when float8 trains worse."""
-        b = sum(self.baseline_losses[-self.tail:]) / self.tail
-        f = sum(self.float8_losses[-self.tail:]) / self.tail
-        return 100.0 * (f - b) / b
-
-    @property
-    def max_step_gap_pct(self) -> float:
-        """The largest relative gap at any single step, in percent."""
-        return max(100.0 * abs(f - b) / b for b, f in zip(self.baseline_losses, self.float8_losses))
-
-
-_SHORT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def _train(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float,
-           warmup_steps: int, clip: float | None, device: torch.device, autocast_dtype: torch.dtype | None,
-           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[list[float], float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    for step in range(steps):
-        x, y = (t.to(device) for t in batches[step % len(batches)])
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        # Warm-up and clipping as in pre-training: without them early loss spikes, which land on
-        # different steps in the two runs, dominate the gap instead of float8's rounding.
-        for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / max(warmup_steps, 1))
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"loss became {losses[-1]} at step {step}")
-    return losses, (time.perf_counter() - t0) / steps
-
-
-def compare_float8_to_baseline(
-    model_factory: Callable[[], nn.Module],
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    steps: int = 20,
-    recipe: str = "tensorwise",
-    lr: float = 1e-3,
-    warmup_steps: int = 0,
-    clip_grad_norm: float | None = 1.0,
-    device: torch.device | str = "cpu",
-    autocast_dtype: torch.dtype | None | str = "auto",
-    options: Float8Options | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    seed: int = 0,
-    tail: int = 5,
-) -> Float8Comparison:
-    """Train ``model_factory()`` twice for ``steps`` AdamW steps, cycling through ``batches``
-    ``(x, y)``: once as built (the baseline), once with its Linears in float8; same seed, same
-    initial weights, same data, linear warm-up over ``warmup_steps`` then constant ``lr``,
-    gradients clipped to ``clip_grad_norm`` (None: off). Returns both loss curves and ``gap_pct``.
-
-    ``autocast_dtype="auto"``: bf16 autocast on CUDA (what float8 replaces in practice); on CPU no
-    autocast, i.e. an fp32 baseline (CPU bf16 matmuls are slower than fp32 ones, and fp32 is the
-    stricter reference: the gap is then float8's alone, not float8's plus bf16's).
-    """
-    device = torch.device(device)
-    if autocast_dtype == "auto":
-        autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-    options = options or Float8Options(recipe=recipe)
-    loss_fn = loss_fn or _cross_entropy
-    if steps < 1 or not batches:
-        raise ValueError("compare_float8_to_baseline needs steps >= 1 and at least one batch")
-    tail = max(1, min(tail, steps))
-
-    def build() -> nn.Module:
-        torch.manual_seed(seed)
-        return model_factory().to(device)
-
-    train = dict(steps=steps, lr=lr, warmup_steps=warmup_steps, clip=clip_grad_norm, device=device,
-                 autocast_dtype=autocast_dtype, loss_fn=loss_fn)
-    base_losses, base_s = _train(build(), batches, **train)
-    model = build()
-    converted = convert_to_float8(model, options, device=device)
-    if not converted:
-        raise ValueError("no Linear of the model qualifies for float8 (dimensions divisible by 16, not a "
-                         "head/router); nothing to compare")
-    fp8_losses, fp8_s = _train(model, batches, **train)
-    return Float8Comparison(
-        recipe=options.recipe,
-        baseline="fp32" if autocast_dtype is None else f"{_SHORT_DTYPE.get(autocast_dtype, autocast_dtype)}-autocast",
-        baseline_losses=base_losses, float8_losses=fp8_losses, converted=converted, tail=tail,
-        baseline_s_per_step=base_s, float8_s_per_step=fp8_s,
-        notes={"device": str(device), "emulated": options.emulate if options.emulate is not None
-               else device.type == "cpu", "steps": steps, "lr": lr, "warmup_steps": warmup_steps,
-               "clip_grad_norm": clip_grad_norm, "seed": seed})

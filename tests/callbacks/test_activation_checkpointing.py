@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_disttrain.callbacks import SelectiveActivationCheckpointing
 from lightning_disttrain.module import GPTModule
 from lightning_disttrain.parallel.activation import checkpoint_config_of
+from lightning_disttrain.parallel.recipe import parallelize
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 
 from cli_fit import fit_from_yaml
@@ -115,7 +116,8 @@ class RegistryStrategy(SingleDeviceStrategy):
         self.applied_before_fit_start = None
 
     def setup(self, trainer):
-        self.transforms.apply_all(self.lightning_module, TransformContext(device=self.root_device))
+        # The recipe, without FSDP: the strategy runs registered transforms at their stages.
+        parallelize(self.lightning_module, TransformContext(device=self.root_device), self.transforms)
         blocks = self.lightning_module.model.blocks
         self.applied_before_fit_start = [checkpoint_config_of(b) is not None for b in blocks]
         super().setup(trainer)
@@ -163,10 +165,9 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp2", max_steps=2
                      enable_model_summary=False, callbacks=[cb, counter])
 module = GPTModule("tiny", vocab_size=VOCAB, lr=1e-3)
 trainer.fit(module, datamodule=RandomTokenData())
-names = trainer.strategy.transforms.names()
-assert ("activation_checkpointing", "SelectiveActivationCheckpointing") in names, names
-assert names.index(("activation_checkpointing", "SelectiveActivationCheckpointing")) < [
-    s for s, _ in names].index("fsdp"), names
+steps = trainer.strategy.parallelized_steps
+assert [s.split(":")[0] for s in steps] == ["activation_checkpointing", "fsdp"], steps
+assert steps[0] == "activation_checkpointing: SelectiveActivationCheckpointing", steps
 assert cb.checkpointed == [0, 1, 2, 3], cb.checkpointed
 assert all(checkpoint_config_of(b) is not None for b in module.model.blocks)
 assert [s["attention"] for s in counter.steps] == [0, 0], counter.steps

@@ -19,16 +19,21 @@ from lightning_disttrain.module import GPTModule
 from lightning_disttrain.parallel.float8 import (
     Float8Options,
     check_float8_support,
-    compare_float8_to_baseline,
     convert_to_float8,
     float8_fqns,
+    linear_name,
 )
+from lightning_disttrain.parallel.recipe import parallelize
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 
 # Also imported by the 2-rank scripts below, outside pytest: make tests/ importable there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The float8-vs-baseline training harness is a benchmark, not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import hf_models  # noqa: E402
 from cli_fit import fit_from_yaml  # noqa: E402
 from dist_utils import read_ranks, run_lightning_script  # noqa: E402
+from float8_compare import compare_float8_to_baseline  # noqa: E402
 
 VOCAB = 256  # a multiple of 16, so the head would qualify on shape alone: excluded by rule
 BLOCK_LINEARS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2")
@@ -94,6 +99,28 @@ class _MoELike(nn.Module):
 def test_routers_gates_heads_and_odd_shapes_are_excluded():
     model = _MoELike()
     assert convert_to_float8(model, Float8Options(), device="cpu") == ["moe.expert", "gate_proj"]
+
+
+def test_exclusions_match_the_linears_own_name_not_its_parents():
+    # HF BERT's FFN output projection is encoder.layer.N.output.dense: a parent named "output"
+    # does not make it a head. Heads and routers are matched by their own name.
+    class BertWithHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = hf_models.bert()
+            self.output = nn.Linear(64, 128)       # torchtitan's head name
+            self.lm_head = nn.Linear(64, 128)      # HF's head name
+            self.moe = nn.ModuleDict({"gate": nn.Linear(64, 16), "router": nn.Sequential(nn.Linear(64, 16))})
+
+    model = BertWithHeads()
+    converted = convert_to_float8(model, Float8Options(), device="cpu")
+    per_layer = ["attention.self.query", "attention.self.key", "attention.self.value",
+                 "attention.output.dense", "intermediate.dense", "output.dense"]
+    assert converted == [f"bert.encoder.layer.{i}.{n}" for i in range(2) for n in per_layer] + ["bert.pooler.dense"]
+    assert type(model.output) is nn.Linear and type(model.lm_head) is nn.Linear
+    assert type(model.moe["gate"]) is nn.Linear and type(model.moe["router"][0]) is nn.Linear
+    assert [linear_name(f) for f in ("output", "a.output.dense", "moe.router.0", "0")] == [
+        "output", "dense", "router", "0"]
 
 
 def test_options_fail_early_with_the_fix():
@@ -209,7 +236,7 @@ class RegistryStrategy(SingleDeviceStrategy):
         self.float8_before_optimizer = None
 
     def setup(self, trainer):
-        self.transforms.apply_all(self.lightning_module, self.ctx)
+        parallelize(self.lightning_module, self.ctx, self.transforms)  # the recipe, without FSDP
         self.float8_before_optimizer = float8_fqns(self.lightning_module)
         super().setup(trainer)
 
@@ -260,7 +287,7 @@ trainer.fit(module, datamodule=PatternData(batch_size=4 // devices))
 w = module.model.blocks[0].attn.wq.weight
 local = getattr(w, "_local_tensor", w)
 with open(f"{{out}}/float8.rank{{trainer.global_rank}}.json", "w") as f:
-    json.dump({{"names": trainer.strategy.transforms.names() if devices > 1 else [],
+    json.dump({{"steps": trainer.strategy.parallelized_steps if devices > 1 else [],
                "all_gather": cb.fsdp_float8_all_gather, "converted": cb.converted,
                "weight": [type(w).__name__, type(local).__name__, str(w.dtype)],
                "precomputed": getattr(local, "_precomputed_scale", None) is not None,
@@ -278,8 +305,8 @@ def test_under_fsdp2_weights_are_gathered_in_float8_and_training_matches_one_pro
     run_lightning_script(script, "1", str(tmp_path / "single"))
     [single] = read_ranks(tmp_path / "single", "float8", 1)
     for r in ranks:
-        names = [tuple(n) for n in r["names"]]
-        assert names.index(("dtype", "Float8Training")) < names.index(("fsdp", "fsdp2")), names
+        steps = [s.split(":")[0] for s in r["steps"]]
+        assert steps == ["dtype", "fsdp"] and r["steps"][0] == "dtype: Float8Training", r["steps"]
         assert r["converted"] == _block_fqns(range(4), prefix="model.blocks")
         assert r["all_gather"] is True
         assert r["weight"] == ["DTensor", "WeightWithDynamicFloat8CastTensor", "torch.float32"]

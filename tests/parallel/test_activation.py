@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from lightning_disttrain.parallel.activation import (
     checkpoint_config_of,
     remove_activation_checkpointing,
 )
+
+import hf_models  # tests/ is on sys.path (conftest.py)
 
 CONFIGS = {
     "none": dict(policy="none"),
@@ -240,3 +243,64 @@ def test_remove_and_reapply():
 def test_invalid_options_name_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         apply_activation_checkpointing(_gpt().blocks, **kwargs)
+
+
+# ---- third-party model code: Hugging Face decoder layers -------------------------------------
+
+
+def _hf_grads(model: nn.Module, x: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, dict, object]:
+    # Called as a user's module calls it: no use_cache argument, so the config's use_cache=True
+    # holds and the model hands every layer a KV cache to write.
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(input_ids=x)
+    loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, out
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["selective", "selective_every_other", "full"])
+def test_hugging_face_layers_get_the_unchecked_gradients(arch, name):
+    # Selective used to fail in backward on GPT-2 ("aten.slice.Tensor encountered during
+    # backward but not found in storage"): the recomputation wrote the KV cache a second time.
+    build = {"gpt2": lambda: hf_models.gpt2(dropout=0.1), "llama": hf_models.llama}[arch]
+    x = torch.randint(0, hf_models.VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    ref = build()
+    model = copy.deepcopy(ref)
+    ref_loss, ref_grads, _ = _hf_grads(ref, x)
+    blocks = hf_models.blocks_of(model)
+    assert apply_activation_checkpointing(blocks, **CONFIGS[name]) == list(range(len(blocks)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, grads, out = _hf_grads(model, x)
+    assert torch.equal(loss, ref_loss)
+    for n in ref_grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+    # Checkpointed layers ran without the cache, and said so.
+    assert hf_models.kv_cache(out).get_seq_length() == 0
+    assert any("KV cache" in str(w.message) for w in caught)
+
+
+def test_hugging_face_layers_keep_the_cache_without_gradients():
+    # Generation (no_grad) is not checkpointed: the cache fills as in the unchecked model.
+    model = hf_models.gpt2()
+    apply_activation_checkpointing(hf_models.blocks_of(model), policy="selective")
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros(1, 5, dtype=torch.long))
+    assert hf_models.kv_cache(out).get_seq_length() == 5
+
+
+def test_attention_is_not_recomputed_in_hugging_face_layers():
+    model = hf_models.llama()
+    apply_activation_checkpointing(hf_models.blocks_of(model), policy="selective")
+    log = _OpLog()
+    x = torch.randint(0, hf_models.VOCAB, (2, 32))
+    with log:
+        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), x.flatten())
+        log.phase = "backward"
+        loss.backward()
+    assert log.count("forward", _is_attention_forward) == 2
+    assert log.count("backward", _is_attention_forward) == 0
+    assert log.count("backward", lambda f: f is torch.ops.aten.mm.default) > 0  # backward ran
