@@ -5,6 +5,16 @@ Public API: ``GPTConfig``, ``GPT``, ``GPTModule``, ``TokenDataModule``, the stra
 and ``hsdp`` with Lightning) and the callbacks (``lightning_disttrain.callbacks``).
 """
 
+import warnings
+
+# torch 2.13 deprecates constructing `LeafSpec` (FutureWarning: "`isinstance(treespec, LeafSpec)` is
+# deprecated"), and Lightning 2.6's own pytree copy (lightning/pytorch/utilities/_pytree.py) still
+# calls `LeafSpec()` whenever it flattens logged values: the warning names no user code and no user
+# can act on it. Only that message from that module is ignored; remove this once Lightning builds
+# leaves with `torch.utils._pytree.treespec_leaf()`.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module=r"lightning\.pytorch\.utilities\._pytree$")
+
 from lightning_disttrain import callbacks, strategies  # noqa: F401  (strategies: registers names)
 from lightning_disttrain.data import TokenDataModule, get_tokenizer
 from lightning_disttrain.models.gpt import GPT, GPTConfig

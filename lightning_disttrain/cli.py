@@ -4,16 +4,27 @@
 strategy, loggers and callbacks are chosen by ``class_path`` (or a registered strategy name such
 as ``fsdp2``) in the YAML. ``prepare`` tokenizes text into llm.c shards; ``export`` writes a
 consolidated single-file state dict from a sharded checkpoint.
+
+Errors: a class that refuses its configuration is reported as one line naming the config key
+(``error: trainer.strategy: NDParallelStrategy(tp=2) is not supported yet: ...``); an error during
+a multi-process run is printed once, last, by rank 0 (see ``rank_errors.py``). ``LDT_TRACEBACK=1``
+adds the tracebacks.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_disttrain  # noqa: F401  (registers strategy names; callbacks importable by class_path)
+from lightning_disttrain.rank_errors import ENV_TRACEBACK, RunErrors
 
 _TOOLS = {
     "prepare": ("lightning_disttrain.data.prepare", "prepare_main", "tokenize text into llm.c .bin shards"),
@@ -22,21 +33,144 @@ _TOOLS = {
 }
 
 
-class DistTrainCLI(LightningCLI):
-    """LightningCLI with any LightningModule / LightningDataModule selectable by ``class_path``."""
+@dataclass
+class _ConstructorFailure:
+    """An exception raised by a configured class's constructor, and where in the config it came from."""
 
-    def __init__(self, *args, **kwargs):
+    exc: Exception
+    class_type: type | None = None
+    kwargs: dict = field(default_factory=dict)
+    key: str | None = None
+
+
+class _RememberFailures:
+    """A jsonargparse instantiator that records the exception a constructor raises, then re-raises it.
+
+    jsonargparse folds that exception into a "Does not validate against any of the Union subtypes"
+    text of 60-80 lines, where it is not even listed first; this keeps the exception itself.
+    """
+
+    def __init__(self, inner, failures: list[_ConstructorFailure]) -> None:
+        self.inner, self.failures = inner, failures
+        self.key = getattr(inner, "key", None)  # LightningCLI's model / data instantiators know theirs
+
+    def __call__(self, class_type, *args, applied_instantiation_links: dict | None = None, **kwargs):
+        try:
+            if self.inner is None:
+                return class_type(*args, **kwargs)
+            return self.inner(class_type, *args, applied_instantiation_links=applied_instantiation_links or {},
+                              **kwargs)
+        except Exception as exc:
+            self.failures.append(_ConstructorFailure(exc, class_type, kwargs, self.key))
+            raise
+
+
+class DistTrainCLI(LightningCLI):
+    """LightningCLI with any LightningModule / LightningDataModule selectable by ``class_path``.
+
+    A configured class whose constructor raises ends the command with ``error: <config key>:
+    <its message>`` (exit status 2) instead of jsonargparse's union text and traceback.
+    """
+
+    def __init__(self, *args, run_errors: RunErrors | None = None, **kwargs):
+        self._failures: list[_ConstructorFailure] = []
+        self._run_errors = run_errors
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(L.LightningModule, L.LightningDataModule, *args, **kwargs)
 
+    def before_instantiate_classes(self) -> None:
+        # Wrap LightningCLI's model/data instantiators (they record hyper-parameters, so they must
+        # still run) and add one for every other class (strategy, callbacks, loggers).
+        registered = dict(getattr(self.parser, "_instantiators", None) or {})
+        for (class_type, subclasses), instantiator in registered.items():
+            self.parser.add_instantiator(_RememberFailures(instantiator, self._failures), class_type, subclasses)
+        self.parser.add_instantiator(_RememberFailures(None, self._failures), object, subclasses=True)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as exc:  # noqa: BLE001  (re-raised unless a constructor refused its config)
+            self._exit_with_config_error(exc)
+        if self._run_errors is not None:
+            self._run_errors.trainer = self.trainer
+
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except Exception as exc:
+            self._failures.append(_ConstructorFailure(exc, L.Trainer, key="trainer"))
+            raise
+
+    def _exit_with_config_error(self, exc: Exception):
+        failure = self._root_failure(exc)
+        if failure is None:
+            raise exc  # not a constructor refusing its arguments: keep the whole story
+        root = failure.exc
+        if os.environ.get(ENV_TRACEBACK, "0") not in ("", "0"):
+            traceback.print_exception(root, file=sys.stderr)
+        key = failure.key or self._config_key(failure) or getattr(failure.class_type, "__name__", "config")
+        message = str(root) if isinstance(root, ValueError) else f"{type(root).__name__}: {root}"
+        sys.stderr.write(f"error: {key}: {message}\n")
+        raise SystemExit(2)
+
+    def _root_failure(self, exc: Exception) -> _ConstructorFailure | None:
+        # The failure that ended instantiation: its exception is `exc` itself or in its chain, or
+        # its message is folded into jsonargparse's text. Earlier ones may have been tolerated
+        # (a union member that did not fit while another did).
+        chain, cause = [], exc
+        while cause is not None and len(chain) < 50:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        for failure in reversed(self._failures):
+            if any(failure.exc is c for c in chain) or (str(failure.exc) and str(failure.exc) in str(exc)):
+                return failure
+        return None
+
+    def _config_key(self, failure: _ConstructorFailure) -> str | None:
+        """The dotted config key (``trainer.strategy``, ``trainer.callbacks[1]``) of the failed class."""
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        config = config.as_dict() if hasattr(config, "as_dict") else config
+        candidates = list(_class_nodes(config, ""))
+        matches = [(key, node) for key, node in candidates if _resolve(node["class_path"]) is failure.class_type]
+        if not matches:
+            return None
+
+        def agreement(node: dict) -> int:
+            init_args = node.get("init_args") or {}
+            return sum(1 for k, v in failure.kwargs.items() if init_args.get(k, object()) == v)
+
+        return max(matches, key=lambda m: agreement(m[1]))[0]
+
+
+def _class_nodes(node: Any, key: str):
+    """(key, node) for every ``{class_path: ..., init_args: ...}`` in a config, depth first."""
+    if isinstance(node, dict):
+        if isinstance(node.get("class_path"), str):
+            yield key, node
+        for name, value in node.items():
+            if name != "class_path":
+                yield from _class_nodes(value, f"{key}.{name}" if key else name)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _class_nodes(value, f"{key}[{i}]")
+
+
+def _resolve(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
 
 def main(argv: list[str] | None = None) -> None:
+    # LightningCLI warns when given args while sys.argv has some too: pass ours only when they are
+    # not sys.argv's (a call from Python).
+    cli_args = None if argv is None else list(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _TOOLS:
-        import importlib
-
         module, fn, _ = _TOOLS[argv[0]]
         getattr(importlib.import_module(module), fn)(argv[1:])
         return
@@ -45,7 +179,15 @@ def main(argv: list[str] | None = None) -> None:
         for name, (_, _, doc) in _TOOLS.items():
             print(f"  {name:9s} {doc}")
         print("  fit, validate, test, predict: LightningCLI subcommands (lightning-disttrain fit --help)\n")
-    DistTrainCLI(args=argv)
+    run_errors = RunErrors.for_this_process()
+    try:
+        DistTrainCLI(args=cli_args, run_errors=run_errors)
+    except Exception as exc:  # noqa: BLE001  (every error is reported, see rank_errors.py)
+        run_errors.fail(exc)  # does not return: rank 0 reports, the other ranks wait for it
+    else:
+        run_errors.finish()
+    finally:
+        run_errors.close()
 
 
 if __name__ == "__main__":

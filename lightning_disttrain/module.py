@@ -10,11 +10,19 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.optim import SCHEDULES, build_optimizer, build_scheduler
 from lightning_disttrain.parallel.plan import ParallelPlan
+
+
+class Perplexity(MeanMetric):
+    """exp of the weighted mean loss: fed the same updates as a ``MeanMetric`` of the loss, so the two agree."""
+
+    def compute(self) -> torch.Tensor:
+        return torch.exp(super().compute())
 
 
 class GPTModule(L.LightningModule):
@@ -74,7 +82,12 @@ class GPTModule(L.LightningModule):
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = asdict(self.config)
         self.model: GPT | None = None
-        self.val_loss = MeanMetric()
+        # Logged as Metric objects: Lightning computes them at epoch end (torchmetrics syncs the
+        # ranks) and resets them, so no already-synced tensor is logged with sync_dist=False.
+        self.val_loss, self.val_ppl = MeanMetric(), Perplexity()
+        self.test_loss, self.test_ppl = MeanMetric(), Perplexity()
+        self._schedule_steps: int | None = None  # the LR schedule's length, saved with checkpoints
+        self._resumed_schedule_steps: int | None = None
         self.tokens_seen = 0
         self._tokenizer = None
         self._last_step_time: float | None = None
@@ -163,23 +176,19 @@ class GPTModule(L.LightningModule):
             self.log("train/lr_muon", parts[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_loss, self.val_ppl)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_loss, self.test_ppl)
+
+    def _evaluate(self, batch, stage: str, loss_metric: MeanMetric, ppl_metric: Perplexity) -> None:
         x, y = batch
-        self.val_loss.update(self.loss_fn(self(x), y), weight=x.numel())
-
-    def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()  # torchmetrics syncs across ranks
-        self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", torch.exp(loss), sync_dist=False)
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self.validation_step(batch, batch_idx)
-
-    def on_test_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("test/loss", loss)
-        self.log("test/ppl", torch.exp(loss))
+        loss = self.loss_fn(self(x), y)
+        # Weighted by tokens: the epoch value is the mean loss per token over all batches and ranks.
+        loss_metric.update(loss, weight=x.numel())
+        ppl_metric.update(loss, weight=x.numel())
+        self.log(f"{stage}/loss", loss_metric, prog_bar=stage == "val", on_step=False, on_epoch=True)
+        self.log(f"{stage}/ppl", ppl_metric, on_step=False, on_epoch=True)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -189,6 +198,7 @@ class GPTModule(L.LightningModule):
         total = hp.max_steps or int(self.trainer.estimated_stepping_batches)
         if not math.isfinite(total) or total <= 0:
             raise ValueError("set Trainer(max_steps=...) or GPTModule(max_steps=...) so the LR schedule knows its length")
+        self._schedule_steps = int(total)
         scheduler = build_scheduler(optimizer, schedule=hp.schedule, warmup_steps=hp.warmup_steps,
                                     total_steps=total, min_lr_ratio=hp.min_lr_ratio,
                                     decay_fraction=hp.decay_fraction)
@@ -196,9 +206,28 @@ class GPTModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
+        if self._schedule_steps is not None:
+            checkpoint["schedule_steps"] = self._schedule_steps
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        if self._trainer is not None and self._trainer.state.fn == "fit":  # resuming, not loading weights
+            self._resumed_schedule_steps = checkpoint.get("schedule_steps")
+
+    def on_train_start(self) -> None:
+        # Compared here, once both are known: strategies restore the checkpoint either before or
+        # after configure_optimizers.
+        old, new = self._resumed_schedule_steps, self._schedule_steps
+        self._resumed_schedule_steps = None
+        if old is None or new is None or old == new:
+            return
+        rank_zero_warn(
+            f"GPTModule: the checkpoint's {self.hparams.schedule!r} LR schedule spans {old} steps, this run builds "
+            f"it over {new} (max_steps changed). The restored step count now indexes the {new}-step schedule, "
+            f"so the learning rate jumps to where that schedule is at this step. To continue the old schedule, "
+            f"pass GPTModule(max_steps={old}) (--model.init_args.max_steps {old}); Trainer(max_steps) then only "
+            "decides where training stops."
+        )
 
     # ---- sampling -----------------------------------------------------------------------
 

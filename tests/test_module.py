@@ -111,3 +111,54 @@ def test_generate_greedy_is_deterministic_and_respects_block_size():
 def test_flops_per_token_delegates():
     module = GPTModule("tiny", vocab_size=257)
     assert module.flops_per_token(128) == module.model.flops_per_token(128) > 0
+
+
+def test_val_and_test_metrics_are_the_token_weighted_mean_loss(tmp_path):
+    torch.manual_seed(0)
+    _, val = _loaders(n=20, bs=8)  # batches of 8, 8 and 4 sequences: the weighting matters
+    module = GPTModule("tiny", vocab_size=257)
+    trainer = _trainer(tmp_path)
+    (val_metrics,) = trainer.validate(module, val)
+    (test_metrics,) = trainer.test(module, val)
+    module.eval()
+    with torch.no_grad():
+        losses = [(module.loss_fn(module(x), y).item(), x.numel()) for x, y in val]
+    expected = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
+    for stage, metrics in (("val", val_metrics), ("test", test_metrics)):
+        assert metrics[f"{stage}/loss"] == pytest.approx(expected, rel=1e-5)
+        assert metrics[f"{stage}/ppl"] == pytest.approx(math.exp(expected), rel=1e-5)
+    # Lightning resets the metrics after each epoch: a second pass gives the same value, not a running mean.
+    assert trainer.validate(module, val)[0]["val/loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def _fit_for_resume(tmp_path, module, max_steps, ckpt_path=None):
+    train, _ = _loaders()
+    trainer = _trainer(tmp_path, max_steps=max_steps, limit_val_batches=0)
+    trainer.fit(module, train, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_resume_with_another_schedule_length_warns(tmp_path):
+    trainer = _fit_for_resume(tmp_path, GPTModule("tiny", vocab_size=257, warmup_steps=1), max_steps=4)
+    ckpt = str(tmp_path / "four.ckpt")
+    trainer.save_checkpoint(ckpt)
+    assert torch.load(ckpt, weights_only=False)["schedule_steps"] == 4
+
+    with pytest.warns(UserWarning, match=r"spans 4 steps, this run builds it over 8.*GPTModule\(max_steps=4\)"):
+        _fit_for_resume(tmp_path, GPTModule("tiny", vocab_size=257, warmup_steps=1), max_steps=8, ckpt_path=ckpt)
+
+    # Keeping the old schedule as the warning says: no warning, and the LR continues the 4-step cosine.
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _fit_for_resume(tmp_path, GPTModule("tiny", vocab_size=257, warmup_steps=1, max_steps=4),
+                                  max_steps=6, ckpt_path=ckpt)
+    assert not [w for w in caught if "LR schedule spans" in str(w.message)]
+    assert resumed.lr_scheduler_configs[0].scheduler.last_epoch == 6
+
+    # Starting a new run from the weights (no ckpt_path) builds a fresh schedule: nothing to warn about.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit_for_resume(tmp_path, GPTModule.load_from_checkpoint(ckpt), max_steps=8)
+    assert not [w for w in caught if "LR schedule spans" in str(w.message)]

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader
 
 from .sampling import GlobalSampleSampler, TokenWindows
 from .shards import read_shard
-from .sources import ShardSet, is_shard_source, resolve_source
+from .sources import ShardSet, check_source_spelling, is_shard_source, resolve_source
 from .tokenizer import canonical_tokenizer_name, get_tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class TokenDataModule(L.LightningDataModule):
         source: "embedded" (the Python stdlib's sources, no download), a `.bin` shard, a
             directory of shards, a glob (`data/fineweb_*.bin`; names with "val" are validation,
             names with "train" training), a local .txt/.jsonl/.parquet file, or a Hugging Face
-            dataset name. Non-shard sources are tokenized once and cached (see `sources.py`).
+            dataset name. Non-shard sources are tokenized once and cached (see `sources.py`). A
+            path that does not exist, or a misspelt keyword, is an error, never a hub lookup.
         tokenizer: "gpt2" (alias "r50k_base") or "bytes"; must be the one the shards were made with.
         seq_len: tokens per sample (the model's context); windows are seq_len + 1 tokens.
         batch_size: micro-batch per data-parallel rank.
@@ -104,6 +105,9 @@ class TokenDataModule(L.LightningDataModule):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
         self.save_hyperparameters()
         self.source = os.fspath(source)
+        # Only the spelling here: paths are checked when the data is needed (prepare_data, setup),
+        # since a subclass may create them in its own prepare_data.
+        check_source_spelling(self.source)
         self._tokenizer = get_tokenizer(tokenizer)  # unknown names fail here, before any work
         self.tokenizer_name = canonical_tokenizer_name(tokenizer)
         self.seq_len = seq_len

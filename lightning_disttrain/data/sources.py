@@ -19,10 +19,16 @@ directory renamed into place when complete, and a directory counts as prepared o
 holds meta.json. Lightning calls `prepare_data` on local rank 0 only; the other ranks reach
 `setup` after Lightning's barrier and find the directory done (on a node that does not share the
 cache and did not prepare, the first process to take the lock prepares it).
+
+A source that cannot be meant as written fails before any work, without a hub lookup: a path
+(`./x`, `/x`, `~/x`, `a/b/c`, `x.txt`, `x.bin`, a glob, or `a/b` when `./a` exists) that does not
+exist, and a bare word close to a keyword (`embeded`). Only the rest is a Hugging Face dataset
+name, and when loading it fails the error names the source and what else it could have meant.
 """
 
 from __future__ import annotations
 
+import difflib
 import glob
 import hashlib
 import json
@@ -32,13 +38,26 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .documents import (
+    COMPRESSION_SUFFIXES,
+    RECORD_EXTENSIONS,
+    TEXT_EXTENSIONS,
+    default_name,
+    resolve_local_files,
+)
 from .embedded import embedded_fingerprint
-from .documents import default_name, resolve_local_files
 from .prepare import PREPARE_VERSION, prepare
 from .tokenizer import canonical_tokenizer_name
 
 CACHE_ENV = "LIGHTNING_DISTTRAIN_CACHE"
 _SPEED_OPTIONS = frozenset({"num_proc", "progress"})
+KEYWORDS = ("embedded",)
+SOURCE_FORMS = (
+    "source takes 'embedded', llm.c shards (a .bin file, a directory or a glob of them), a local "
+    ".txt/.md/.json/.jsonl/.parquet file or a directory of them, or a Hugging Face dataset name "
+    "('org/name', e.g. 'HuggingFaceFW/fineweb-edu')"
+)
+_LOCAL_SUFFIXES = frozenset({".bin", *TEXT_EXTENSIONS, *RECORD_EXTENSIONS})
 
 
 @dataclass(frozen=True)
@@ -117,7 +136,7 @@ def _match_bin(source: str) -> list[Path]:
             raise ValueError(f"shard glob {source!r} matches no files; check the pattern and the directory.")
         return files
     if not path.is_file():
-        raise ValueError(f"shard {source!r} does not exist; check the path or run `prepare` first.")
+        raise missing_path_error(source, "or run `prepare` first")
     return [path]
 
 
@@ -163,7 +182,7 @@ def ensure_prepared(
         tmp = root / f".{key}.tmp-{os.uname().nodename}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            prepare(source, tmp, tokenizer, **prepare_kwargs)
+            _prepare_naming_hub_failures(source, tmp, tokenizer, prepare_kwargs)
             # Where file locks do not hold (some network filesystems) another node may have
             # finished first: keep its complete directory, only replace an incomplete leftover.
             if final.exists() and not (final / "meta.json").is_file():
@@ -187,10 +206,132 @@ def resolve_source(
     prepare_kwargs: dict | None = None,
 ) -> ShardSet:
     """The train/val shards for `source`, preparing and caching it first when it is not shards."""
-    if not isinstance(source, str) or not source:
-        raise ValueError(f"source must be a non-empty string, got {source!r}.")
-    if is_shard_source(source):
+    if check_source(source) == "shards":
         return find_shards(source, val_source)
     directory = ensure_prepared(source, tokenizer, cache_dir, prepare_kwargs)
     shards = find_shards(str(directory), val_source)
     return ShardSet(shards.train, shards.val, f"{source} (prepared in {directory})", shards.meta)
+
+
+def check_source(source: str) -> str:
+    """What `source` names: "embedded", "shards", "local" (text files) or "hub" (a dataset name).
+
+    Raises ValueError, without touching the network, for what can only be a mistake: a path that
+    does not exist, or a bare word close to a keyword. Files are not read.
+    """
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"source must be a non-empty string, got {source!r}. {SOURCE_FORMS}.")
+    check_source_spelling(source)
+    if source in KEYWORDS:
+        return source
+    path = Path(source).expanduser()
+    if not path.exists() and not glob.has_magic(source) and looks_like_path(source):
+        raise missing_path_error(source)
+    if is_shard_source(source):
+        return "shards"
+    return "local" if resolve_local_files(source) is not None else "hub"
+
+
+def check_source_spelling(source: str) -> None:
+    """A bare word that is no keyword and no existing path but close to a keyword is a typo."""
+    if source in KEYWORDS or "/" in source or os.sep in source or Path(source).expanduser().exists():
+        return
+    close = difflib.get_close_matches(source.lower(), KEYWORDS, n=1, cutoff=0.75)
+    if close:
+        raise ValueError(
+            f"source {source!r} is not a keyword and no file or directory of that name exists here ({os.getcwd()}); "
+            f"did you mean source={close[0]!r}? (A Hugging Face dataset name is tried only for names that are "
+            f"not that close to a keyword.) {SOURCE_FORMS}."
+        )
+
+
+def looks_like_path(source: str) -> bool:
+    """True when `source` can only be meant as a local path (it may still not exist)."""
+    if (source.startswith((".", "/", "~")) or (os.sep != "/" and os.sep in source) or source.count("/") > 1
+            or glob.has_magic(source)):
+        return True
+    suffixes = [s.lower() for s in Path(source).suffixes]
+    while suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
+        suffixes.pop()
+    if suffixes and suffixes[-1] in _LOCAL_SUFFIXES:
+        return True
+    # "org/name" is a hub dataset, unless ./org is a directory here: then it means a path in it.
+    head, sep, _ = source.partition("/")
+    return bool(sep) and Path(head).expanduser().is_dir()
+
+
+def missing_path_error(source: str, remedy: str = "") -> ValueError:
+    """ValueError for a local path that does not exist, naming what does exist nearest to it."""
+    path = Path(source).expanduser()
+    absolute = path if path.is_absolute() else Path.cwd() / path
+    parent = absolute.parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    shown = str(parent if path.is_absolute() else os.path.relpath(parent)).rstrip("/")
+    try:
+        entries = sorted(p.name + ("/" if p.is_dir() else "") for p in parent.iterdir() if not p.name.startswith("."))
+    except OSError:
+        entries = []
+    missing = absolute.relative_to(parent).parts[0]
+    close = difflib.get_close_matches(missing, [e.rstrip("/") for e in entries], n=3, cutoff=0.6)
+    if close:
+        hint = f"did you mean {' or '.join(repr(os.path.join(shown or '/', c)) for c in close)}?"
+    elif entries:
+        hint = f"it holds {', '.join(entries[:12])}{', ...' if len(entries) > 12 else ''}"
+    else:
+        hint = "it is empty"
+    return ValueError(
+        f"source {source!r} does not exist ({shown or ''}/ has no {missing!r}; {hint}). Relative paths start at "
+        f"{os.getcwd()}; check the path{' ' + remedy if remedy else ''}. {SOURCE_FORMS}."
+    )
+
+
+def _hub_offline() -> list[str]:
+    return [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
+
+
+def _probe_hub(source: str) -> None:
+    """One quick request for the dataset's card before `datasets` starts: unreachable hub or no such
+    dataset fail in about a second, instead of after `datasets`' retries (half a minute offline).
+    Only for names that go to the hub anyway, and not in offline mode (the local cache serves then)."""
+    if _hub_offline():
+        return
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    except ImportError:
+        return
+    try:
+        HfApi().dataset_info(source, timeout=10)
+    except GatedRepoError:
+        return  # exists; `datasets` gives the login advice with the token it finds
+    except RepositoryNotFoundError as exc:
+        raise _hub_error(source, exc, "there is no such dataset on the hub (or it is private)") from exc
+    except Exception as exc:  # no network, DNS, proxy, timeout: let the user see which
+        raise _hub_error(source, exc, "the hub could not be reached") from exc
+
+
+def _hub_error(source: str, exc: BaseException, what: str) -> ValueError:
+    head = source.partition("/")[0]
+    local = (f"no file or directory {source!r} exists here ({os.getcwd()})" if Path(head).exists()
+             else f"there is no {head!r} here ({os.getcwd()}) for it to be a local path")
+    offline = _hub_offline()
+    network = f" ({' and '.join(offline)} set: the hub is not contacted)" if offline else ""
+    return ValueError(
+        f"source {source!r} was taken for a Hugging Face dataset name ({local}), and {what}: "
+        f"{type(exc).__name__}: {exc}. Check the dataset name, the network{network} and, for a gated "
+        f"dataset, `huggingface-cli login`; for a local path, give one that exists. {SOURCE_FORMS}.")
+
+
+def _prepare_naming_hub_failures(source: str, out_dir: Path, tokenizer: str, prepare_kwargs: dict) -> None:
+    # `datasets` reports a hub failure without saying why the name went to the hub at all.
+    if source not in KEYWORDS and resolve_local_files(source) is None:
+        _probe_hub(source)
+    try:
+        prepare(source, out_dir, tokenizer, **prepare_kwargs)
+    except ValueError:
+        raise  # ours, already naming what to change (a missing text_field column, ...)
+    except Exception as exc:
+        if source in KEYWORDS or resolve_local_files(source) is not None:
+            raise
+        raise _hub_error(source, exc, "loading it from the hub failed") from exc

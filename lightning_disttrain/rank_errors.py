@@ -1,0 +1,269 @@
+"""One report of a failed multi-process run: the error that caused it, once, printed last.
+
+Why this exists. `lightning-disttrain fit` with ``devices=N`` on one machine runs under Lightning's
+subprocess launcher: the process the user started is rank 0 and re-runs the command for ranks
+1..N-1. When one rank raises, the others fail a moment later in their next collective ("Connection
+closed by peer"), so the last lines on the screen were a secondary gloo error; an error raised on
+every rank (bad data) was printed once per rank; and Lightning's child-process observer SIGKILLs
+rank 0 as soon as it sees a child exit non-zero, so rank 0 could not report anything after that.
+
+How it works (`RunErrors`):
+- rank 0 creates a per-run directory and exports it, with its pid, in ``LDT_ERRORS_DIR`` /
+  ``LDT_ERRORS_REPORTER_PID`` before Lightning launches the other ranks, which inherit both;
+- every rank catches its exception in `cli.main`, classifies it (`is_secondary`: a collective
+  failing because a peer is gone, or being terminated, versus the *primary* error that started it)
+  and writes it to that directory;
+- a launched rank then prints nothing and stays alive until rank 0 stops it: exiting non-zero at
+  once would make Lightning's observer kill rank 0 before it reports. Should rank 0 be gone, the
+  rank reports its own error;
+- rank 0 reports, from its main thread when it fails itself, or from a watcher thread when another
+  rank's record appears while rank 0 is still computing or blocked in a collective (a NCCL
+  collective waiting for a dead peer may never return). It waits briefly for the other ranks'
+  records, prints the primary errors merged by message ("error on ranks 0, 1: ValueError: ..."),
+  or the secondary ones when no rank had a primary error, stops the launched ranks and exits 1.
+
+Tracebacks are printed once, above the summary, for errors other than ValueError (our user
+errors, whose message says what to change) and for every error with ``LDT_TRACEBACK=1``.
+Processes not launched by a rank-0 `cli.main` (torchrun, SLURM: each rank its own process) each
+report their own error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ENV_DIR = "LDT_ERRORS_DIR"
+ENV_REPORTER = "LDT_ERRORS_REPORTER_PID"
+ENV_TRACEBACK = "LDT_TRACEBACK"
+POLL_S = 0.2
+PRIMARY_GRACE_S = 1.5  # after a primary error: how long the others get to record theirs
+SECONDARY_GRACE_S = 10.0  # with only secondary errors: how long to wait for the primary one
+ORPHAN_TIMEOUT_S = 600.0  # a launched rank reports itself after this long without being stopped
+
+# Messages of errors that a collective raises because a peer died (gloo, NCCL, the TCP store).
+_PEER_GONE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|remote worker|NCCL communicator.*abort|"
+    r"ProcessGroup\w*.*(abort|shut ?down)|Socket Timeout|Connection refused", re.IGNORECASE)
+
+
+def is_secondary(exc: BaseException) -> bool:
+    """True for a failure caused by another process failing: a broken collective, or termination."""
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (dist.DistError, SIGTERMException)):
+            return True
+        if isinstance(exc, RuntimeError) and _PEER_GONE.search(str(exc)):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+@dataclass
+class Record:
+    rank: int
+    primary: bool
+    type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def of(cls, exc: BaseException, rank: int) -> Record:
+        return cls(rank, not is_secondary(exc), type(exc).__name__, str(exc),
+                   "".join(traceback.format_exception(exc)))
+
+
+def _current_rank() -> int:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    # The strategy sets the global rank there; before that it comes from the environment.
+    rank = getattr(rank_zero_only, "rank", None)
+    return int(rank) if rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+class RunErrors:
+    """The error reporting of one `lightning-disttrain` process; see the module docstring."""
+
+    def __init__(self, directory: Path, reporter: bool, owns_env: bool = False) -> None:
+        self.directory = directory
+        self.reporter = reporter
+        self.trainer = None  # set by DistTrainCLI: the launched processes are its launcher's
+        self._owns_env = owns_env
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._failing = False
+        self._watcher: threading.Thread | None = None
+
+    @classmethod
+    def for_this_process(cls) -> RunErrors:
+        directory, reporter_pid = os.environ.get(ENV_DIR), os.environ.get(ENV_REPORTER)
+        launched = (directory and reporter_pid == str(os.getppid()) and os.path.isdir(directory)
+                    and os.environ.get("LOCAL_RANK", "0") != "0")
+        if launched:
+            return cls(Path(directory), reporter=False)
+        errors = cls(Path(tempfile.mkdtemp(prefix="ldt-errors-")), reporter=True, owns_env=True)
+        os.environ[ENV_DIR], os.environ[ENV_REPORTER] = str(errors.directory), str(os.getpid())
+        errors._watcher = threading.Thread(target=errors._watch, name="ldt-error-watcher", daemon=True)
+        errors._watcher.start()
+        return errors
+
+    def close(self) -> None:
+        """Stops watching and removes the directory (rank 0), leaving the environment as it was."""
+        self._stop.set()
+        if self._owns_env:
+            for var in (ENV_DIR, ENV_REPORTER):
+                if os.environ.get(var) in (str(self.directory), str(os.getpid())):
+                    del os.environ[var]
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    # ---- what the ranks do ------------------------------------------------------------
+
+    def fail(self, exc: BaseException):
+        """Record `exc`; rank 0 reports and exits, a launched rank waits to be stopped. Never returns."""
+        self._failing = True
+        record = Record.of(exc, _current_rank())
+        self._write(record)
+        if self.reporter:
+            with self._lock:
+                self._report_and_exit(own=record)
+        self._wait_to_be_stopped(record)
+
+    def finish(self, timeout_s: float = 120.0) -> None:
+        """After rank 0's own success: wait for the launched ranks, reporting an error of theirs."""
+        deadline = time.monotonic() + timeout_s
+        while self._children() and any(p.poll() is None for p in self._children()):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(POLL_S)  # the watcher reports a record that appears meanwhile
+        with self._lock:
+            if self._records():
+                self._report_and_exit(own=None)
+
+    # ---- rank 0 ------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            if self._failing or not self._records():
+                continue
+            with self._lock:
+                if not self._failing:
+                    self._report_and_exit(own=None)
+
+    def _report_and_exit(self, own: Record | None):
+        records = self._collect(own)
+        children = self._children()
+        text = format_report(records, world=len(children) + 1 if children else _world_size())
+        sys.stdout.flush()
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        for proc in children:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)  # they only wait for this; they print nothing
+        shutil.rmtree(self.directory, ignore_errors=True)
+        if children or threading.current_thread() is not threading.main_thread():
+            # Exiting the interpreter normally would run on into a collective of the main
+            # thread, or print shutdown noise from the killed peers' process groups after the report.
+            os._exit(1)
+        raise SystemExit(1)
+
+    def _collect(self, own: Record | None) -> list[Record]:
+        """The records, once every rank has one (or none can come soon); see the grace periods above."""
+        my_rank = own.rank if own is not None else _current_rank()
+        start = time.monotonic()
+        first_primary = None
+        while True:
+            records = self._records()
+            now = time.monotonic()
+            if first_primary is None and any(r.primary for r in records):
+                first_primary = now
+            running = [p for p in self._children() if p.poll() is None]
+            # Launched ranks that failed stay alive until stopped, so each running one owes a record.
+            children_done = len({r.rank for r in records} - {my_rank}) >= len(running)
+            mine_done = any(r.rank == my_rank for r in records)
+            if (children_done and (mine_done or first_primary is not None)) or \
+                    (first_primary is not None and now - first_primary > PRIMARY_GRACE_S) or \
+                    now - start > SECONDARY_GRACE_S:
+                return records or ([own] if own is not None else [])
+            time.sleep(POLL_S)
+
+    def _children(self) -> list:
+        launcher = getattr(getattr(self.trainer, "strategy", None), "launcher", None)
+        return list(getattr(launcher, "procs", None) or [])
+
+    # ---- the other ranks ---------------------------------------------------------------
+
+    def _wait_to_be_stopped(self, record: Record):
+        reporter_pid = os.environ.get(ENV_REPORTER)
+        deadline = time.monotonic() + ORPHAN_TIMEOUT_S
+        while time.monotonic() < deadline and str(os.getppid()) == reporter_pid and self.directory.is_dir():
+            time.sleep(POLL_S)
+        # Nobody is left to report this rank's error: report it here.
+        sys.stderr.write(format_report([record], world=_world_size()))
+        sys.stderr.flush()
+        os._exit(1)
+
+    # ---- records -----------------------------------------------------------------------
+
+    def _write(self, record: Record) -> None:
+        path = self.directory / f"rank-{record.rank}.json"
+        try:
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(asdict(record)))
+            os.replace(tmp, path)  # whole records only: rank 0 may read at any moment
+        except OSError:
+            pass  # the directory is gone: rank 0 has already reported and exited
+
+    def _records(self) -> list[Record]:
+        records = []
+        for path in sorted(self.directory.glob("rank-*.json")):
+            try:
+                records.append(Record(**json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError):
+                continue
+        return sorted(records, key=lambda r: r.rank)
+
+
+def format_report(records: list[Record], world: int) -> str:
+    """Tracebacks (when wanted) then one line per distinct error, merged by rank; the error last."""
+    shown = [r for r in records if r.primary] or records
+    if not shown:
+        return ""
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for record in shown:
+        groups.setdefault((record.type, record.message), []).append(record)
+    want_tracebacks = os.environ.get(ENV_TRACEBACK, "0") not in ("", "0")
+    lines: list[str] = []
+    hidden = False
+    for (kind, _), group in groups.items():
+        if want_tracebacks or kind != "ValueError":
+            lines.append(group[0].traceback.rstrip())
+        else:
+            hidden = True
+    if hidden:
+        lines.append(f"(the traceback is not shown for a ValueError; {ENV_TRACEBACK}=1 shows it)")
+    if shown and not shown[0].primary:
+        lines.append("every failing process failed in communication: the one that failed first may have "
+                     "been killed without a Python error (out of memory?); its own output above may say why.")
+    for (kind, message), group in groups.items():
+        ranks = [r.rank for r in group]
+        where = "" if world == 1 else f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        lines.append(f"lightning-disttrain: error{where}: {kind}: {message}")
+    return "\n" + "\n".join(lines) + "\n"

@@ -1,0 +1,24 @@
+"""A callback that raises on chosen ranks, for the CLI's error-reporting tests (class_path: rank_failure.FailOnRank)."""
+
+import lightning as L
+
+
+class FailOnRank(L.Callback):
+    """Raises `error(message)` on `rank` (-1: every rank) in `setup` or at the second training batch."""
+
+    def __init__(self, rank: int = 1, hook: str = "setup", message: str = "failed on purpose",
+                 error: str = "ValueError") -> None:
+        if hook not in ("setup", "step"):
+            raise ValueError(f"hook={hook!r}: use 'setup' or 'step'")
+        self.rank, self.hook, self.message, self.error = rank, hook, message, error
+
+    def _maybe_fail(self, trainer, hook: str) -> None:
+        if hook == self.hook and self.rank in (-1, trainer.global_rank):
+            raise {"ValueError": ValueError, "RuntimeError": RuntimeError}[self.error](self.message)
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self._maybe_fail(trainer, "setup")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 1:
+            self._maybe_fail(trainer, "step")
