@@ -1,16 +1,44 @@
-"""FSDP2 benchmarks on CPU (gloo): memory per rank by ZeRO stage, and throughput vs. baselines.
+"""FSDP2 benchmarks: measured memory per rank by ZeRO stage, and throughput vs. baselines.
 
-1. Memory (N = 1, 2, 4 ranks): bytes of parameters, gradients and AdamW state each rank holds
-   (local shards of DTensors summed), under our ``fsdp2`` (ZeRO-3) and ``fsdp2_zero2``, against
-   the ZeRO accounting. fp32 on CPU: 4 B parameter + 4 B gradient + 8 B Adam moments = 16 B/param
-   (the same total as the mixed-precision 2+2+12 baseline, split differently).
-2. Throughput (2 ranks): our ``fsdp2`` through ``L.Trainer`` vs a hand-written FSDP2 loop (plain
-   torch: ``fully_shard`` per block + root, same model, data, AdamW, clipping) vs Lightning's own
-   ``ModelParallelStrategy`` with a ``configure_model`` that calls ``fully_shard``. Interleaved
-   (A B C A B C ...) in the same processes so machine noise hits all three.
+1. Memory (``--part memory``; N = 1, 2, 4 ranks): ``GPTModule`` trained by ``L.Trainer`` with our
+   ``FSDP2Strategy`` (ZeRO-3: ``reshard_after_forward=True``; ZeRO-2: ``False``), fp32, AdamW,
+   gradient clipping, ``--mem-steps`` steps. Measured per rank by an allocator, not by summing the
+   tensors we know about (``memory_meter.py``), at the Trainer's own hooks in the last step (the
+   earlier ones warm up; AdamW's state exists from the first optimizer step on):
 
-    python benchmarks/bench_fsdp.py                      # both parts
-    python benchmarks/bench_fsdp.py --part throughput --preset small --batch 4 --seq 128
+   - setup      ``on_train_start``: sharded parameters, optimizer without state
+   - after fwd  ``on_before_backward``: activations, units still gathered for backward; Lightning's
+                 ``zero_grad`` has just freed the previous step's gradients
+   - after bwd  ``on_after_backward``: new (sharded) gradients
+   - rest       ``on_train_batch_end``: after the optimizer step
+   - peak       the most in use between ``on_train_batch_start`` and ``on_train_batch_end``
+                 (forward, backward, clipping, AdamW, logging): activations, gathered parameters
+                 and communication buffers (FSDP's and gloo's) included
+
+   Meters (each N and stage runs once per meter, in fresh processes): ``process`` (primary on CPU:
+   malloc bytes in use in every thread, counted by ``memcount.c`` loaded with ``LD_PRELOAD``, exact
+   peaks; glibc's ``mallinfo2`` and the kernel's peak RSS as cross-checks), ``alloc`` (c10 CPU
+   allocator events from ``torch.profiler``: tensors only, main thread; its drift with gloo is
+   printed), ``cuda`` (``torch.cuda.memory_allocated`` / ``max_memory_allocated``: the GPU path,
+   written but not run on the CPU machine). Each worker first measures a known 100 MiB allocation
+   with its meter. Beside the measurements, labelled as such: the *computed* ZeRO accounting (fp32:
+   4 B param + 4 B grad + 8 B Adam = 16 B/param, /N) and the *known-tensor* sum (local shards of
+   parameters, gradients and optimizer state).
+
+2. Throughput (``--part throughput``; 2 ranks): ``GPTModule`` itself (its ``training_step``
+   with ``self.log`` of ``train/loss`` (``sync_dist=True``), ``train/tokens``, ``train/lr`` and
+   ``tok/s``; CSV logger, ``log_every_n_steps=10`` as in ``configs/quickstart.yaml``) under our
+   ``FSDP2Strategy`` and under Lightning's ``ModelParallelStrategy`` (a subclass whose only change
+   is ``configure_model`` calling ``fully_shard``, which that strategy leaves to the user), vs a
+   hand-written FSDP2 loop over the same GPT, data, AdamW, cosine schedule and clipping, without
+   logging. All three shard alike (``fully_shard`` per block, the last block and the root kept
+   gathered after forward, as ``parallel.fsdp.apply_fsdp`` does). Interleaved in the same
+   processes, the order rotated every round, so machine noise hits all three; every repeat is a
+   fresh model and (for the Lightning variants) a fresh ``Trainer``.
+
+    python benchmarks/bench_fsdp.py --part memory
+    python benchmarks/bench_fsdp.py --part throughput --repeats 7
+    python benchmarks/bench_fsdp.py --part memory --device cuda --sizes 1   # GPU path: untested so far
 
 Ranks are started here with env:// variables (no torchrun agent); Lightning sees LOCAL_RANK and
 does not launch again. Results: printed, and JSON under benchmarks/out/.
@@ -19,6 +47,8 @@ does not launch again. Results: printed, and JSON under benchmarks/out/.
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import os
 import platform
@@ -30,16 +60,18 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "out"
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "out"
+REPO = HERE.parent
 MIB = 2**20
-
+HAND = "hand-written FSDP2 loop"
 
 # ---------------------------------------------------------------------------------------------
 # launcher (parent process)
 
 
-def launch(nprocs: int, *worker_args: str, timeout: float = 1800) -> None:
+def launch(nprocs: int, tag: str, worker_args: list[str], extra_env: dict[str, str] | None = None,
+           timeout: float = 1200) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -47,15 +79,20 @@ def launch(nprocs: int, *worker_args: str, timeout: float = 1800) -> None:
     for rank in range(nprocs):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), NODE_RANK="0",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        log = open(OUT / f"worker_{worker_args[0]}_{nprocs}_{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, "--worker", *worker_args, "--nprocs", str(nprocs)],
+                   PYTHONPATH=os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]),
+                   **(extra_env or {}))
+        log = open(OUT / f"worker_{tag}_rank{rank}.log", "w")  # noqa: SIM115 (closed after the wait below)
+        procs.append((subprocess.Popen([sys.executable, __file__, *worker_args, "--nprocs", str(nprocs)],
                                        env=env, stdout=log, stderr=subprocess.STDOUT), log))
     for proc, log in procs:
         rc = proc.wait(timeout=timeout)
         log.close()
         if rc != 0:
             raise SystemExit(f"worker failed (exit {rc}); see {log.name}")
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,14 +112,8 @@ def _imports():
     from lightning_disttrain.strategies import FSDP2Strategy
 
 
-def local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
+_WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # read at import: Lightning's teardown deletes it
+_RANK = int(os.environ.get("RANK", "0"))
 
 
 def dataset(args, n_samples: int):
@@ -91,44 +122,35 @@ def dataset(args, n_samples: int):
     return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def make_module_cls():
-    class Module(GPTModule):
-        """GPTModule with a sampler we control (no shuffling) and quiet logging."""
-
-        def __init__(self, args, n_samples):
-            super().__init__(args.preset, vocab_size=args.vocab, lr=6e-4, weight_decay=0.1, schedule="constant",
-                             model_overrides={"block_size": args.seq})
-            self._args, self._n = args, n_samples
-
-        def train_dataloader(self):
-            ds = dataset(self._args, self._n)
-            kw = self.trainer.strategy.distributed_sampler_kwargs
-            return DataLoader(ds, batch_size=self._args.batch, sampler=DistributedSampler(ds, shuffle=False, **kw))
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return self.loss_fn(self(x), y)
-
-        def on_train_batch_end(self, outputs, batch, batch_idx):
-            pass
-
-        def on_before_optimizer_step(self, optimizer):
-            pass
-
-    return Module
+def gpt_module(args):
+    """``GPTModule`` as a user builds it (defaults: AdamW lr 6e-4, wd 0.1, cosine schedule)."""
+    return GPTModule(args.preset, vocab_size=args.vocab, model_overrides={"block_size": args.seq})
 
 
-def trainer(strategy, max_steps, callbacks):
-    return L.Trainer(strategy=strategy, devices=dist_world(), accelerator="cpu", max_steps=max_steps,
-                     gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+def trainer(strategy, max_steps, callbacks, accelerator="cpu", logger=False):
+    return L.Trainer(strategy=strategy, devices=_WORLD, accelerator=accelerator, max_steps=max_steps,
+                     gradient_clip_val=1.0, logger=logger, log_every_n_steps=10, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     limit_val_batches=0, callbacks=callbacks)
 
 
-_WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # read at import: Lightning's teardown deletes it
+def local_bytes(tensors) -> int:
+    """Known-tensor sum (for comparison only): bytes of the local shards of ``tensors``."""
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if isinstance(t, DTensor) else t
+            total += t.numel() * t.element_size()
+    return total
 
 
-def dist_world() -> int:
-    return _WORLD
+def shard_like_ours(model, mesh, fully_shard) -> None:
+    """By hand, the layout ``apply_fsdp`` gives a GPT with tied embeddings: one unit per block, the
+    last block kept gathered after forward (backward needs it first), then the root."""
+    n = len(model.blocks)
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, mesh=mesh, reshard_after_forward=i < n - 1)
+    fully_shard(model, mesh=mesh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,74 +159,186 @@ def dist_world() -> int:
 
 def memory_worker(args) -> None:
     _imports()
-    Module = make_module_cls()
+    from memory_meter import METERS, self_check
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    check = self_check(METERS[args.meter](), device=args.device)
+    # The process group exists before the baseline: its own connections are not the step's memory.
+    dist.init_process_group("nccl" if cuda else "gloo")
+    comm = collective_check(METERS[args.meter], args.device) if args.meter != "alloc" and _WORLD > 1 else None
+    ds = dataset(args, args.mem_steps * args.batch * _WORLD)
+    loader = DataLoader(ds, batch_size=args.batch, shuffle=False)  # Lightning adds the DistributedSampler
+    meter = METERS[args.meter]()
 
     class Probe(L.Callback):
-        """Measured on the second step, when the optimizer state exists."""
+        """Three windows per step, in Lightning's hook order: forward (batch start -> before
+        backward; the previous step's gradients are held through it, Lightning's zero_grad frees
+        them just before ``on_before_backward``), backward (-> after backward), optimizer (->
+        batch end: clipping, AdamW step, logging). The step's peak is the largest of the three;
+        the marks between them are the levels after forward / backward / the step."""
 
         def __init__(self):
-            self.m = {}
+            self.i = None
 
-        def _params(self, module):
-            return list(module.model.parameters())
+        def on_train_start(self, trainer, module):
+            meter.mark("setup")
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.i = batch_idx
+            meter.begin_window(f"step{batch_idx}.fwd")
 
         def on_before_backward(self, trainer, module, loss):
-            if trainer.global_step == 1:
-                # After forward: units that did not reshard hold gathered (plain-tensor) parameters
-                # in addition to their shards.
-                self.m["gathered_after_forward"] = local_bytes(
-                    p for p in self._params(module) if not isinstance(p, DTensor))
+            meter.end_window(f"step{self.i}.fwd")
+            meter.begin_window(f"step{self.i}.bwd")
 
-        def on_before_optimizer_step(self, trainer, module, optimizer):
-            if trainer.global_step == 1:
-                self.m["grads"] = local_bytes(p.grad for p in self._params(module))
+        def on_after_backward(self, trainer, module):
+            meter.end_window(f"step{self.i}.bwd")
+            meter.begin_window(f"step{self.i}.opt")
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if trainer.global_step == 2:
-                opt = trainer.optimizers[0]
-                self.m["params"] = local_bytes(self._params(module))
-                self.m["optim"] = local_bytes(v for s in opt.state.values() for v in s.values()
-                                              if isinstance(v, torch.Tensor))
-                self.m["numel"] = sum((p.full_tensor() if isinstance(p, DTensor) else p).numel()
-                                      for p in self._params(module))
+            meter.end_window(f"step{batch_idx}.opt")
 
-    results = {}
-    for stage, strategy in (("zero3", "fsdp2"), ("zero2", "fsdp2_zero2")):
-        L.seed_everything(0)
-        probe = Probe()
-        trainer(strategy, 2, [probe]).fit(Module(args, 64))
-        results[stage] = probe.m
-    if dist.get_rank() == 0:
-        (OUT / f"memory_{args.nprocs}.json").write_text(json.dumps(results))
+    L.seed_everything(0)
+    module = gpt_module(args)
+    probe = Probe()
+    strategy = FSDP2Strategy(reshard_after_forward=args.stage == "zero3")
+    fit = trainer(strategy, args.mem_steps, [probe], accelerator="gpu" if cuda else "cpu")
+    meter.start()
+    fit.fit(module, loader)
+    meter.stop()
+
+    params = list(module.model.parameters())
+    opt = fit.optimizers[0]
+    known = {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params),
+             "optim": local_bytes(v for s in opt.state.values() for v in s.values())}
+    numel = sum(p.numel() for p in params)  # DTensor.numel() is the global size
+    block_numel = [sum(p.numel() for p in b.parameters()) for b in module.model.blocks]
+    record = {"meter": args.meter, "meter_name": meter.name, "check_mib": check, "comm_mib": comm, "levels": meter.levels,
+              "peaks": meter.peaks, "known": known, "numel": numel, "block_numel": block_numel,
+              "step": args.mem_steps - 1}
+    for extra in ("mallinfo", "rss", "rss_peaks", "reserved"):
+        if hasattr(meter, extra):
+            record[extra] = getattr(meter, extra)
+    (OUT / f"memory_{args.meter}_{args.nprocs}_{args.stage}_rank{_RANK}.json").write_text(json.dumps(record))
 
 
-def report_memory(sizes) -> str:
-    lines = ["Memory per rank (fp32 params + fp32 grads + AdamW exp_avg/exp_avg_sq; MiB, rank 0)",
-             "expected (ZeRO accounting, fp32: 4 B param + 4 B grad + 8 B Adam = 16 B/param):",
-             "  at rest (after the step)   ZeRO-3 and FSDP2's ZeRO-2: 16/N B/param (FSDP2 reshards after",
-             "                             backward in both; ZeRO-2 differs only between forward and backward)",
-             "  forward->backward peak     ZeRO-3: 16/N; ZeRO-2: params full = 4 + 12/N B/param",
-             "  (mixed-precision reference, 2 B bf16 param + 2 B grad + 12 B fp32 master/Adam: ZeRO-1 4+12/N,",
-             "   ZeRO-2 2+14/N, ZeRO-3 16/N)",
-             f"{'N':>2} {'stage':6} {'params':>8} {'grads':>8} {'optim':>8} {'rest':>8} {'exp':>8} {'ratio':>6}"
-             f" {'+gathered':>10} {'peak':>8} {'exp':>8} {'ratio':>6}"]
-    for n in sizes:
-        data = json.loads((OUT / f"memory_{n}.json").read_text())
-        for stage, m in data.items():
-            numel = m["numel"]
-            rest = m["params"] + m["grads"] + m["optim"]
-            exp_rest = 16 * numel / n
-            peak = rest + m["gathered_after_forward"]
-            exp_peak = 16 * numel / n if stage == "zero3" else (4 + 12 / n) * numel
-            lines.append(
-                f"{n:>2} {stage:6} {m['params'] / MIB:8.2f} {m['grads'] / MIB:8.2f} {m['optim'] / MIB:8.2f}"
-                f" {rest / MIB:8.2f} {exp_rest / MIB:8.2f} {rest / exp_rest:6.3f}"
-                f" {m['gathered_after_forward'] / MIB:10.2f} {peak / MIB:8.2f} {exp_peak / MIB:8.2f} {peak / exp_peak:6.3f}")
-    lines += ["rest = params + grads + optim (local shards); peak = rest + parameters still gathered after",
-              "forward. ZeRO-3 peak > 16/N: the root (embeddings, tied head) and the last block are kept",
-              "gathered from forward to backward by design (backward needs them first); ZeRO-2 peak > 4+12/N",
-              "by 4/N: FSDP2 keeps each parameter's shard next to its gathered copy. Shards are padded to a",
-              "multiple of N rows, so ratios can exceed 1 slightly."]
+def collective_check(meter_cls, device: str, mib: int = 8) -> dict[str, float]:
+    """What one collective allocates beyond its own input and output (the backend's buffers): an
+    all-gather into ``mib`` MiB and a reduce-scatter from ``mib`` MiB, async + wait as FSDP2 does."""
+    out = {}
+    full, shard = mib * MIB // 4, mib * MIB // 4 // _WORLD
+    for name in ("all_gather", "reduce_scatter"):
+        big, small = torch.ones(full, device=device), torch.ones(shard, device=device)
+        meter = meter_cls()
+        meter.start()
+        meter.begin_window(name)
+        if name == "all_gather":
+            dist.all_gather_into_tensor(big, small, async_op=True).wait()
+        else:
+            dist.reduce_scatter_tensor(small, big, async_op=True).wait()
+        meter.end_window(name)
+        meter.stop()
+        out[name] = meter.peaks[name] / MIB
+        del big, small
+    return out
+
+
+def _mem(meter: str, n: int, stage: str, rank: int = 0) -> dict:
+    return json.loads((OUT / f"memory_{meter}_{n}_{stage}_rank{rank}.json").read_text())
+
+
+PHASES = ("fwd", "bwd", "opt")
+
+
+def _at(r: dict, step: int, when: str, key: str = "levels") -> int:
+    """Level after ``when`` (fwd / bwd / opt = at rest) of ``step``."""
+    return r[key][f"step{step}.{when}:end"]
+
+
+def _peak(r: dict, step: int, key: str = "peaks") -> tuple[int, str]:
+    return max((r[key][f"step{step}.{ph}"], ph) for ph in PHASES)
+
+
+def report_memory(sizes, stages, meters) -> str:
+    def f(b: float) -> str:
+        return f"{b / MIB:8.2f}"
+
+    lines = []
+    for m in meters:
+        cs = [_mem(m, n, s, r)["check_mib"] for n in sizes for s in stages for r in range(n)]
+        lines.append(f"method check, meter {m!r} ({len(cs)} processes): a 100 MiB tensor (pages written) measured "
+                     f"{min(c['alive'] for c in cs):.2f}-{max(c['alive'] for c in cs):.2f} MiB alive, peak "
+                     f"{min(c['peak'] for c in cs):.2f}-{max(c['peak'] for c in cs):.2f} MiB, "
+                     f"{max(abs(c['after_free']) for c in cs):.2f} MiB left after free")
+        if m == "process":
+            lines.append(f"  same processes: mallinfo2 {min(c['mallinfo_alive'] for c in cs):.2f}-"
+                         f"{max(c['mallinfo_alive'] for c in cs):.2f} MiB alive, RSS peak "
+                         f"{min(c['rss_peak'] for c in cs):.2f}-{max(c['rss_peak'] for c in cs):.2f} MiB")
+    comm = [_mem(m, n, s, r)["comm_mib"] for m in meters for n in sizes if n > 1 for s in stages for r in range(n)]
+    comm = [c for c in comm if c]
+    if comm:
+        lines.append(f"communication buffers ({len(comm)} processes, N > 1, measured before fit): beyond its own input and "
+                     f"output, an all-gather into 8 MiB peaks at +{min(c['all_gather'] for c in comm):.2f}-"
+                     f"{max(c['all_gather'] for c in comm):.2f} MiB, a reduce-scatter from 8 MiB at "
+                     f"+{min(c['reduce_scatter'] for c in comm):.2f}-{max(c['reduce_scatter'] for c in comm):.2f} MiB")
+    rec = _mem(meters[0], sizes[0], stages[0])
+    k = rec["step"]
+    P, blocks = rec["numel"], rec["block_numel"]
+    root = P - sum(blocks)
+    lines += ["", (f"GPT: {P:,} parameters ({len(blocks)} blocks of {blocks[0]:,}; root = embeddings, tied head, final "
+                   f"norm: {root:,}). Step {k} (steps 0..{k} ran), rank 0, MiB, relative to the same meter just before fit."),
+              "computed (not measured): state = 16 B/param / N (fp32 param 4 + grad 4 + AdamW 8); gathered = parameters",
+              "  all-gathered after forward, 4 B/param: ZeRO-2 all units, ZeRO-3 the root + last block (kept for backward).",
+              "known tensors (summed, not measured): local shards of parameters + gradients + AdamW state after fit.",
+              "setup = on_train_start; after fwd / after bwd = on_before_backward / on_after_backward; rest = after the",
+              "  optimizer step (on_train_batch_end); peak = the most in use during the step, and the phase it fell in",
+              "  (fwd: forward + loss; bwd: backward incl. reduce-scatter; opt: clipping + AdamW + logging)."]
+    main = next(m for m in ("process", "cuda", "alloc") if m in meters)
+    if main is not None:
+        lines += ["", f"measured: {_mem(main, sizes[0], stages[0])['meter_name']}",
+                  (f"{'N':>2} {'stage':5} | {'computed':>8} {'known':>8} | {'setup':>8} {'after':>8} {'after':>8}"
+                   f" {'rest':>8} {'peak':>8} {'in':>3} | {'rest /':>8} {'peak -':>8} | {'computed':>8}"),
+                  (f"{'':>2} {'':5} | {'state':>8} {'tensors':>8} | {'':>8} {'fwd':>8} {'bwd':>8} {'':>8} {'':>8}"
+                   f" {'':>3} | {'computed':>8} {'rest':>8} | {'gathered':>8}")]
+        spread, drift = [], []
+        for n in sizes:
+            for s in stages:
+                r = _mem(main, n, s)
+                state = 16 * P / n
+                gathered = 4 * P if s == "zero2" else 4 * (root + blocks[-1])
+                rest, (peak, phase) = _at(r, k, "opt"), _peak(r, k)
+                lines.append(f"{n:>2} {s:5} | {f(state)} {f(sum(r['known'].values()))} | {f(r['levels']['setup'])}"
+                             f" {f(_at(r, k, 'fwd'))} {f(_at(r, k, 'bwd'))} {f(rest)} {f(peak)} {phase:>3} |"
+                             f" {rest / state:8.3f} {f(peak - rest)} | {f(gathered)}")
+                rs = [_mem(main, n, s, rank) for rank in range(n)]
+                drift += [abs(_at(x, k, "opt") - _at(x, k - 1, "opt")) for x in rs]
+                spread += [max(_at(x, k, "opt") for x in rs) - min(_at(x, k, "opt") for x in rs),
+                           max(_peak(x, k)[0] for x in rs) - min(_peak(x, k)[0] for x in rs)]
+        lines.append(f"ranks differ by at most {max(spread) / MIB:.2f} MiB in rest and peak (every N and stage); rest "
+                     f"changed from step {k - 1} to step {k} by at most {max(drift) / MIB:.2f} MiB (any rank)")
+    if "process" in meters:
+        lines += ["", "cross-checks, same processes: mallinfo2 = glibc's bytes in use; RSS peak = kernel VmHWM over the step",
+                  "(reset at each phase start); glibc's caching off (MALLOC_MMAP_THRESHOLD_=65536, MALLOC_TRIM_THRESHOLD_=0)."]
+        if "alloc" in meters:
+            lines += ["c10 = torch.profiler CPU-allocator events (tensors only; separate processes): rest, peak, and its drift",
+                      f"  = rest at step {k} minus rest at step {k - 1}, max over ranks (frees on gloo threads go unreported)."]
+        head = f"{'N':>2} {'stage':5} | {'mallinfo2':>9} {'RSS':>8}"
+        head2 = f"{'':>2} {'':5} | {'rest':>9} {'peak':>8}"
+        if "alloc" in meters:
+            head += f" | {'c10':>8} {'c10':>8} {'c10':>8}"
+            head2 += f" | {'rest':>8} {'peak':>8} {'drift':>8}"
+        lines += [head, head2]
+        for n in sizes:
+            for s in stages:
+                r = _mem("process", n, s)
+                line = f"{n:>2} {s:5} | {_at(r, k, 'opt', 'mallinfo') / MIB:9.2f} {f(_peak(r, k, 'rss_peaks')[0])}"
+                if "alloc" in meters:
+                    c = _mem("alloc", n, s)
+                    d = max(_at(x, k, "opt") - _at(x, k - 1, "opt") for x in (_mem("alloc", n, s, q) for q in range(n)))
+                    line += f" | {f(_at(c, k, 'opt'))} {f(_peak(c, k)[0])} {f(d)}"
+                lines.append(line)
     return "\n".join(lines)
 
 
@@ -214,105 +348,130 @@ def report_memory(sizes) -> str:
 
 def throughput_worker(args) -> None:
     _imports()
+    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from lightning_disttrain.models.gpt import GPT
-    from lightning_disttrain.optim import build_optimizer
+    from lightning_disttrain.optim import build_optimizer, build_scheduler
 
-    Module = make_module_cls()
-    world = dist_world()
+    world = _WORLD
     total = args.warmup + args.steps
     n_samples = total * args.batch * world
+    ds = dataset(args, n_samples)
+    dist.init_process_group("gloo")  # Lightning's strategies find it initialised and keep it
 
-    class UserFSDP(Module):
-        """What a user of ModelParallelStrategy writes: fully_shard in configure_model."""
+    class GPTModuleForModelParallel(GPTModule):
+        """What a user of ModelParallelStrategy adds: the sharding, in configure_model. Nothing else."""
 
         def configure_model(self):
             if self.model is not None:
                 return
             super().configure_model()
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
+            shard_like_ours(self.model, self.device_mesh["data_parallel"], fully_shard)
 
     class Timer(L.Callback):
         def __init__(self):
-            self.t0 = None
-            self.elapsed = None
+            self.marks = []
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == args.warmup:
-                self.t0 = time.perf_counter()
+                self.marks.append(time.perf_counter())
 
-        def on_train_end(self, trainer, module):
-            self.elapsed = time.perf_counter() - self.t0
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx >= args.warmup:
+                self.marks.append(time.perf_counter())
 
-    def lightning_run(strategy, module_cls) -> float:
+    def lightning_run(strategy, module_cls, tag) -> list[float]:
         L.seed_everything(0)
         timer = Timer()
-        trainer(strategy, total, [timer]).fit(module_cls(args, n_samples))
-        return timer.elapsed
+        logger = CSVLogger(OUT / "throughput_logs", name=tag)
+        trainer(strategy, total, [timer], logger=logger).fit(
+            module_cls(args.preset, vocab_size=args.vocab, model_overrides={"block_size": args.seq}),
+            DataLoader(ds, batch_size=args.batch, shuffle=False))
+        return [b - a for a, b in itertools.pairwise(timer.marks)]
 
-    def hand_loop() -> float:
+    def hand_loop() -> list[float]:
         torch.manual_seed(0)
-        ref = Module(args, n_samples)  # only for its config; the model is a plain GPT
+        ref = gpt_module(args)  # only for its config and hyper-parameters
+        hp = ref.hparams
         model = GPT(ref.config)
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = build_optimizer(model, "adamw", lr=6e-4, weight_decay=0.1)  # the optimizer GPTModule builds
-        ds = dataset(args, n_samples)
+        shard_like_ours(model, init_device_mesh("cpu", (world,)), fully_shard)
+        opt = build_optimizer(model, "adamw", lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
+                              eps=hp.eps)
+        sched = build_scheduler(opt, schedule=hp.schedule, warmup_steps=hp.warmup_steps, total_steps=total,
+                                min_lr_ratio=hp.min_lr_ratio, decay_fraction=hp.decay_fraction)
         loader = DataLoader(ds, batch_size=args.batch,
                             sampler=DistributedSampler(ds, num_replicas=world, rank=dist.get_rank(), shuffle=False))
-        t0 = None
+        vocab = ref.config.vocab_size
+        marks = []
         for i, (x, y) in enumerate(loader):
             if i == args.warmup:
-                t0 = time.perf_counter()
-            loss = ref.loss_fn(model(x), y)  # the same loss (padding columns cut) as GPTModule
+                marks.append(time.perf_counter())
+            logits = model(x)[..., :vocab].float()  # the loss GPTModule computes (padding columns cut)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            sched.step()
             opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+            if i >= args.warmup:
+                marks.append(time.perf_counter())
+        return [b - a for a, b in itertools.pairwise(marks)]
 
     variants = {
-        "lightning-disttrain fsdp2": lambda: lightning_run(FSDP2Strategy(), Module),
-        "hand-written FSDP2 loop": hand_loop,
-        "Lightning ModelParallelStrategy": lambda: lightning_run(
-            ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), UserFSDP),
+        "ours: GPTModule + FSDP2Strategy": lambda: lightning_run(FSDP2Strategy(), GPTModule, "ours"),
+        HAND: hand_loop,
+        "GPTModule + Lightning ModelParallelStrategy": lambda: lightning_run(
+            ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), GPTModuleForModelParallel, "mps"),
     }
-    times = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            times[name].append(fn())
-    if dist.get_rank() == 0:
-        tokens = args.steps * args.batch * args.seq * world
-        (OUT / "throughput.json").write_text(json.dumps({"times": times, "tokens": tokens, "args": vars(args)}))
+    names = list(variants)
+    steps = {name: [] for name in names}  # per repeat: the timed steps' durations
+    rounds = []
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        rounds.append({"order": order, "load1_before": load1()})
+        for name in order:
+            gc.collect()
+            dist.barrier()
+            steps[name].append(variants[name]())
+        if _RANK == 0:
+            print(f"round {r} done, load {load1():.2f}", flush=True)
+    if _RANK == 0:
+        (OUT / "throughput.json").write_text(json.dumps(
+            {"steps": steps, "rounds": rounds, "tokens_per_step": args.batch * args.seq * world, "args": vars(args)}))
+
+
+def _spread(xs) -> str:
+    return f"{min(xs):.3f} {statistics.median(xs):.3f} {max(xs):.3f}"
 
 
 def report_throughput() -> str:
     data = json.loads((OUT / "throughput.json").read_text())
     a = data["args"]
-    lines = [f"Throughput on 2 ranks (preset {a['preset']}, vocab {a['vocab']}, seq {a['seq']}, batch {a['batch']}/rank,"
-             f" {a['steps']} timed steps after {a['warmup']} warm-up, {a['repeats']} interleaved repeats; rank 0)",
-             f"{'variant':34} {'median s/step':>13} {'tokens/s':>9} {'vs hand':>8} {'best s/step':>11} {'vs hand':>8}"
-             "   per-repeat s/step"]
-    per_step = {k: [t / a["steps"] for t in v] for k, v in data["times"].items()}
-    hand = per_step["hand-written FSDP2 loop"]
-    for name, ts in per_step.items():
-        med, best = statistics.median(ts), min(ts)
-        lines.append(f"{name:34} {med:13.4f} {data['tokens'] / a['steps'] / med:9.0f} "
-                     f"{statistics.median(hand) / med:8.3f} {best:11.4f} {min(hand) / best:8.3f}   "
-                     + " ".join(f"{t:.4f}" for t in ts))
-    lines.append("vs hand: the hand-written loop's time divided by the variant's (>= 1: as fast or faster); "
-                 "'best' is the fastest repeat, the least disturbed by other load on the machine.")
+    per_rep = {k: [sum(v) / len(v) for v in reps] for k, reps in data["steps"].items()}  # mean s/step per repeat
+    hand = per_rep[HAND]
+    lines = [(f"Throughput on 2 ranks (preset {a['preset']}, vocab {a['vocab']}, seq {a['seq']}, batch {a['batch']}/rank,"
+              f" {a['steps']} timed steps after {a['warmup']} warm-up, {a['repeats']} interleaved repeats, order rotated"
+              f" each round; rank 0)"),
+             "s/step = mean over one repeat's timed steps; min / median / max over the repeats",
+             f"{'variant':44} {'s/step min':>10} {'median':>7} {'max':>7} {'tok/s best':>10} {'median':>7}"]
+    for name, ts in per_rep.items():
+        lines.append(f"{name:44} {min(ts):10.3f} {statistics.median(ts):7.3f} {max(ts):7.3f}"
+                     f" {data['tokens_per_step'] / min(ts):10.0f} {data['tokens_per_step'] / statistics.median(ts):7.0f}")
+    lines += ["", "vs hand = hand-written loop's s/step / the variant's (>= 1: as fast or faster)",
+              f"{'variant':44} {'best-of':>7} {'median':>7}   per round (same round's hand / variant): min median max"]
+    for name, ts in per_rep.items():
+        if name == HAND:
+            continue
+        per_round = [h / t for h, t in zip(hand, ts)]
+        lines.append(f"{name:44} {min(hand) / min(ts):7.3f} {statistics.median(hand) / statistics.median(ts):7.3f}"
+                     f"   {_spread(per_round)}")
+    lines += ["", "per repeat s/step (repeat 0 ... n-1):"]
+    for name, ts in per_rep.items():
+        lines.append(f"  {name:44} " + " ".join(f"{t:.3f}" for t in ts))
+    lines.append("  1-min load average before each round: " + " ".join(f"{r['load1_before']:.2f}" for r in data["rounds"]))
     return "\n".join(lines)
 
 
@@ -326,35 +485,64 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=257, help="257: the byte tokenizer")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="samples per rank per step")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sizes", default="1,2,4", help="world sizes for the memory part")
+    p.add_argument("--steps", type=int, default=15, help="throughput: timed steps per repeat")
+    p.add_argument("--warmup", type=int, default=3, help="throughput: untimed steps before them")
+    p.add_argument("--repeats", type=int, default=7, help="throughput: interleaved rounds")
+    p.add_argument("--sizes", default="1,2,4", help="memory: world sizes")
+    p.add_argument("--stages", default="zero3,zero2", help="memory: ZeRO stages")
+    p.add_argument("--meters", default=None, help="memory: alloc,process on CPU (default); cuda on GPU")
+    p.add_argument("--mem-steps", type=int, default=3, help="memory: steps; the last one is reported")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="memory: cuda = the GPU path (untested)")
     p.add_argument("--worker", choices=["memory", "throughput"], help=argparse.SUPPRESS)
+    p.add_argument("--stage", choices=["zero3", "zero2"], help=argparse.SUPPRESS)
+    p.add_argument("--meter", choices=["alloc", "process", "cuda"], help=argparse.SUPPRESS)
     p.add_argument("--nprocs", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.mem_steps < 2:
+        p.error("--mem-steps must be >= 2: the last step is reported and compared with the one before")
     OUT.mkdir(parents=True, exist_ok=True)
     if args.worker == "memory":
         return memory_worker(args)
     if args.worker == "throughput":
         return throughput_worker(args)
 
-    passthrough = ["--preset", args.preset, "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch",
-                   str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats",
-                   str(args.repeats)]
+    common = ["--preset", args.preset, "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch)]
     import torch
 
     print(f"# bench_fsdp {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, gloo")
-    print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}\n")
+          f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+          f"{'nccl' if args.device == 'cuda' else 'gloo'}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
+    print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"# 1-min load average at start: {load1():.2f}\n", flush=True)
     if args.part in ("all", "memory"):
         sizes = [int(s) for s in args.sizes.split(",")]
+        stages = args.stages.split(",")
+        meters = (args.meters or ("cuda" if args.device == "cuda" else "process,alloc")).split(",")
+        t0 = time.perf_counter()
+        if "process" in meters:
+            from memory_meter import build_memcount
+
+            memcount = build_memcount(OUT)
+            if memcount is None:
+                raise SystemExit("--meters process needs a C compiler (cc) to build benchmarks/memcount.c; "
+                                 "use --meters alloc without one")
         for n in sizes:
-            launch(n, "memory", *passthrough)
-        print(report_memory(sizes) + "\n")
+            for stage in stages:
+                for meter in meters:
+                    env = {}
+                    if meter == "process":  # malloc counted in every thread; glibc's caching off for RSS
+                        env = {"LD_PRELOAD": memcount, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+                    launch(n, f"memory_{meter}_{n}_{stage}",
+                           ["--worker", "memory", *common, "--mem-steps", str(args.mem_steps), "--device", args.device,
+                            "--stage", stage, "--meter", meter], extra_env=env)
+        print(report_memory(sizes, stages, meters))
+        print(f"# memory part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}\n", flush=True)
     if args.part in ("all", "throughput"):
-        launch(2, "throughput", *passthrough)
+        t0 = time.perf_counter()
+        launch(2, "throughput", ["--worker", "throughput", *common, "--steps", str(args.steps), "--warmup",
+                                 str(args.warmup), "--repeats", str(args.repeats)])
         print(report_throughput())
+        print(f"# throughput part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}")
 
 
 if __name__ == "__main__":
