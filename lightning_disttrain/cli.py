@@ -6,7 +6,7 @@ as ``fsdp2``) in the YAML. ``prepare`` tokenizes text into llm.c shards; ``expor
 consolidated single-file state dict from a sharded checkpoint.
 
 Errors: a class that refuses its configuration is reported as one line naming the config key
-(``error: trainer.strategy: NDParallelStrategy(tp=2) is not supported yet: ...``); an error during
+(``error: trainer.strategy: NDParallelStrategy(pp=2) is not supported yet: ...``); an error during
 a multi-process run is printed once, last, by rank 0 (see ``rank_errors.py``). ``LDT_TRACEBACK=1``
 adds the tracebacks.
 """

@@ -10,12 +10,14 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.optim import SCHEDULES, build_optimizer, build_scheduler
 from lightning_disttrain.parallel.plan import ParallelPlan
+from lightning_disttrain.parallel.tensor import vocabulary_padding_bias
 
 
 class Perplexity(MeanMetric):
@@ -95,6 +97,12 @@ class GPTModule(L.LightningModule):
 
     # ---- model construction -------------------------------------------------------------
 
+    def setup(self, stage: str) -> None:
+        # Metrics sync over the data-parallel ranks only: TP ranks of one replica hold the same batch.
+        group = getattr(self.trainer.strategy, "dp_process_group", None)
+        for metric in (self.val_loss, self.val_ppl, self.test_loss, self.test_ppl):
+            metric.process_group = group
+
     def configure_model(self) -> None:
         """Build the GPT; Lightning calls this under the strategy's init/sharding context."""
         if self.model is not None:
@@ -122,10 +130,14 @@ class GPTModule(L.LightningModule):
         self.model.init_weights()
 
     def parallel_plan(self) -> ParallelPlan:
+        from lightning_disttrain.models import gpt_tp
+
         self.configure_model()
-        m = self.model
-        groups = [] if self.config.tie_embeddings else [[m.wte], [m.ln_f, m.lm_head]]
-        return ParallelPlan(blocks=m.blocks, fsdp_groups=groups)
+        m, c = self.model, self.config
+        groups = [] if c.tie_embeddings else [[m.wte], [m.ln_f, m.lm_head]]
+        return ParallelPlan(blocks=m.blocks, fsdp_groups=groups,
+                            tp_block_plan=lambda options: gpt_tp.block_plan(c, options),
+                            tp_root_plan=lambda options: gpt_tp.root_plan(c, options, prefix="model"))
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (6·N + 12·L·H·Dh·T); see ``GPT.flops_per_token``."""
@@ -139,8 +151,14 @@ class GPTModule(L.LightningModule):
     # ---- training -----------------------------------------------------------------------
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Padding columns cut off, then an fp32 log-softmax: bf16 cross-entropy over 50k classes
-        # loses the small probabilities.
+        # An fp32 log-softmax: bf16 cross-entropy over 50k classes loses the small probabilities.
+        # The vocabulary padding is never a prediction: cut off, or, for vocabulary-sharded logits
+        # (tensor + loss parallel; slicing would gather them), masked with -inf.
+        if isinstance(logits, DTensor):
+            logits = logits.float() + vocabulary_padding_bias(logits, self.config.vocab_size)
+            # Under loss_parallel (the strategy enters it around this step and its backward) the
+            # cross-entropy works on the shards; its result is replicated on every TP rank.
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).full_tensor()
         logits = logits[..., : self.config.vocab_size].float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -244,6 +262,19 @@ class GPTModule(L.LightningModule):
                 self._tokenizer = get_tokenizer(name or "gpt2")
         return self._tokenizer
 
+    def _last_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits at the last position, whole on every rank (equal across a TP group)."""
+        T = idx.size(1)
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        multiple = getattr(strategy, "sequence_multiple", 1)  # sequence parallel: T % tp == 0
+        if T % multiple:
+            # Pad on the right: causal attention keeps the padding out of the positions before it.
+            idx = torch.cat([idx, idx[:, -1:].expand(-1, multiple - T % multiple)], dim=1)
+        logits = self(idx)
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return logits[:, T - 1]
+
     @torch.no_grad()
     def generate(self, prompt: str | torch.Tensor, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_k: int | None = None, seed: int | None = None) -> str | torch.Tensor:
@@ -269,7 +300,7 @@ class GPTModule(L.LightningModule):
         was_training = self.training
         self.eval()
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.block_size:])[:, -1, : self.config.vocab_size].float()
+            logits = self._last_logits(idx[:, -self.config.block_size:])[:, : self.config.vocab_size].float()
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:

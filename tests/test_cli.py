@@ -23,6 +23,25 @@ def test_shipped_configs_parse(config, tmp_path):
     assert "strategy: fsdp2" in out.stdout
 
 
+@pytest.mark.slow
+def test_tensor_parallel_config_trains_on_two_cpu_ranks(tmp_path):
+    # The shipped config as a user runs it, shortened: tp=2 over 2 processes, validation,
+    # a sharded checkpoint and the sample at the end.
+    out = _run(["fit", "--config", str(REPO / "configs" / "tensor-parallel.yaml"), "--trainer.max_steps", "4",
+                "--trainer.val_check_interval", "4", "--trainer.log_every_n_steps", "2", "--data.init_args.max_docs", "40",
+                "--data.init_args.cache_dir", str(tmp_path / "cache")], tmp_path, timeout=400)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "tensor_parallel: tp=2, 4 blocks + root, sequence parallel, loss parallel" in text
+    assert "----- sample at step 4 -----" in text
+    rows = list(csv.DictReader(open(next((tmp_path / "runs/tensor-parallel/logs").glob("version_*/metrics.csv")))))
+    assert any(r.get("val/loss") for r in rows) and any(r.get("train/loss") for r in rows)
+    from lightning_disttrain.checkpoint import verify_checkpoint
+
+    manifest = verify_checkpoint(tmp_path / "runs/tensor-parallel/checkpoints/last.ckpt")  # sharded, complete
+    assert manifest.global_step == 4 and manifest.extra["parallel_dims"]["tp"] == 2
+
+
 def test_cli_fit_from_yaml(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"""

@@ -208,8 +208,21 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *,
         groups.setdefault(key, []).append(g)
     norms = []
     for group in groups.values():
-        n = torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite, foreach)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+        if not isinstance(group[0], DTensor) or any(p.is_partial() for p in group[0].placements):
+            n = torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite, foreach)
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)  # partial sums: reduce first
+            continue
+        # Each rank's shards, then one reduction per sharded mesh dimension (replicated dimensions
+        # hold the same values): what full_tensor() would do on a 2-D (FSDP x TP) mesh, without its
+        # warning about sequential collectives.
+        local = torch.nn.utils.get_total_norm([g.to_local() for g in group], norm_type, error_if_nonfinite, foreach)
+        inf = norm_type == float("inf")
+        value = local if inf else local ** norm_type
+        for dim, placement in enumerate(group[0].placements):
+            if not placement.is_replicate():  # Shard, and FSDP-over-TP's _StridedShard (not is_shard())
+                dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                                group=group[0].device_mesh.get_group(dim))
+        norms.append(value if inf else value ** (1.0 / norm_type))
     if not norms:
         return torch.tensor(0.0)
     device = norms[0].device

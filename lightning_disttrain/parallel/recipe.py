@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_disttrain.parallel.fsdp import apply_fsdp, check_tied_units, fsdp_root
 from lightning_disttrain.parallel.materialize import check_ties, tied_parameters
 from lightning_disttrain.parallel.plan import find_parallel_plan
+from lightning_disttrain.parallel.tensor import TensorParallelOptions, apply_tp
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 
 
@@ -33,6 +34,15 @@ class FSDPSettings:
 
 
 @dataclass
+class TPSettings:
+    """How stage 3 shards (see ``tensor.apply_tp``)."""
+
+    mesh: Any
+    """The 1-D ``tp`` mesh."""
+    options: TensorParallelOptions = field(default_factory=TensorParallelOptions)
+
+
+@dataclass
 class Parallelized:
     """What ``parallelize`` did."""
 
@@ -44,10 +54,12 @@ class Parallelized:
 
 def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformRegistry, *,
                 compile_options: dict[str, Any] | None = None,
+                tp: TPSettings | None = None,
                 fsdp: FSDPSettings | None = None) -> Parallelized:
     """Apply every parallelism to ``module`` in place, in the order DESIGN.md fixes.
 
     ``compile_options``: None skips compilation; a dict (possibly empty) compiles each block.
+    ``tp``: None skips tensor parallel.
     ``fsdp``: None skips sharding (e.g. the model sharded itself in ``configure_model``).
     """
     done = Parallelized()
@@ -63,7 +75,16 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
     stage("dtype")
     # 2. pipeline split: each rank keeps only its blocks (pipeline-parallel issue).
     stage("pipeline")
-    # 3. tensor / sequence / loss parallel: shards weights before FSDP shards them again (2-D).
+    # 3. tensor / sequence / loss parallel: shards weights before FSDP shards them again (2-D);
+    #    float8 Linears (step 1) get torchao's float8 styles.
+    if tp is not None:
+        tensorwise = ctx.extras.get("float8_recipe") == "tensorwise"  # torchao's float8 TP styles need it
+        apply_tp(module, plan, tp.mesh, tp.options,
+                 float8_fqns=ctx.extras.get("float8_converted") if tensorwise else None)
+        o = tp.options
+        done.steps.append(f"tensor_parallel: tp={tp.mesh.size()}, {len(plan.block_list)} blocks + root"
+                          f"{', sequence parallel' if o.sequence_parallel else ''}"
+                          f"{', loss parallel' if o.loss_parallel else ''}{', async TP' if o.async_tp else ''}")
     stage("tensor_parallel")
     # 4. expert parallel: experts leave the dense FSDP group for their own.
     stage("expert_parallel")

@@ -1,6 +1,10 @@
-"""Lightning strategies. Importing this package registers the names ``fsdp2``, ``fsdp2_zero2`` and
-``hsdp`` with Lightning's ``StrategyRegistry``, so ``Trainer(strategy="fsdp2")`` and
-``trainer.strategy: fsdp2`` in a LightningCLI YAML work."""
+"""Lightning strategies. Importing this package registers the names ``fsdp2``, ``fsdp2_zero2``,
+``hsdp`` and ``fsdp2_tp`` with Lightning's ``StrategyRegistry``, so ``Trainer(strategy="fsdp2")``
+and ``trainer.strategy: fsdp2`` in a LightningCLI YAML work.
+
+``fsdp2_tp`` is the common 2-D layout: tensor parallel over pairs of neighbouring ranks (tp=2, with
+sequence and loss parallel) and FSDP2 over the rest. Other TP degrees: ``NDParallelStrategy(tp=N)``.
+"""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -8,5 +12,7 @@ from lightning_disttrain.strategies.fsdp2 import FSDP2Strategy
 from lightning_disttrain.strategies.nd_parallel import NDParallelStrategy
 
 FSDP2Strategy.register_strategies(StrategyRegistry)
+StrategyRegistry.register("fsdp2_tp", NDParallelStrategy, description="FSDP2 x tensor parallel tp=2, sequence and "
+                          "loss parallel (lightning-disttrain)", override=True, tp=2)
 
 __all__ = ["FSDP2Strategy", "NDParallelStrategy"]

@@ -43,16 +43,12 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
@@ -70,16 +66,18 @@ from lightning_disttrain.parallel.materialize import (
     materialize_,
 )
 from lightning_disttrain.parallel.mesh import ParallelDims
-from lightning_disttrain.parallel.recipe import FSDPSettings, parallelize
+from lightning_disttrain.parallel.recipe import FSDPSettings, TPSettings, parallelize
+from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_async_tp, share_rng_state
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
+from lightning_disttrain.strategies.collectives import CollectivesMixin
 from lightning_disttrain.strategies.steps import StepMixin
 
 # Degrees whose transforms exist. The TP / PP / EP / CP issues add theirs here.
-_SUPPORTED_DEGREES = ("dp_replicate", "dp_shard")
+_SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp")
 
 
-class _NDParallelBase(StepMixin, ParallelStrategy):
+class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
     """Everything of ``NDParallelStrategy`` but checkpointing. A base class rather than the class
     itself so that ``DCPCheckpointMixin`` sits above these methods in the MRO: its ``teardown``
     (which finishes an async save) reaches ours through ``super()`` instead of being hidden by it."""
@@ -98,6 +96,9 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
         async_save: bool = False,
         compile: Union[bool, dict[str, Any]] = False,
         empty_init: bool = False,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        async_tp: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -114,7 +115,8 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
             if value != 1 and name not in _SUPPORTED_DEGREES:
                 raise ValueError(
                     f"{type(self).__name__}({name}={value}) is not supported yet: only "
-                    f"{' / '.join(_SUPPORTED_DEGREES)} (FSDP2 / HSDP) are implemented so far; set {name}=1")
+                    f"{' / '.join(_SUPPORTED_DEGREES)} (FSDP2 / HSDP, tensor parallel) are implemented so far; "
+                    f"set {name}=1")
         if isinstance(reshard_after_forward, bool) or (isinstance(reshard_after_forward, int)
                                                        and reshard_after_forward > 1):
             self.reshard_after_forward = reshard_after_forward
@@ -133,6 +135,9 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
         self._root_is_lightning_module = False  # see StepMixin
         self.compile_options: Optional[dict[str, Any]] = (
             None if not compile else {} if compile is True else dict(compile))
+        if async_tp and self.compile_options is None:
+            raise ValueError("async_tp=True fuses TP collectives into compiled matmuls: also set compile=True")
+        self.tp_options = TensorParallelOptions(sequence_parallel, loss_parallel, async_tp)
         self.transforms = TransformRegistry()
         """Model transforms by stage; callbacks register theirs in their ``setup`` hook."""
         self.parallelized_steps: list[str] = []
@@ -206,6 +211,22 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
         if dims != self._parallel_dims:  # a later validate/test keeps the dims and their meshes
             self._parallel_dims, self._device_mesh = dims, None
 
+    def _validate_model_early(self) -> None:
+        # Before the process group exists: a layout the model cannot take fails on every rank at
+        # once instead of in a collective some ranks never reach.
+        module, dims = self.lightning_module, self.parallel_dims
+        config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
+        if config is not None:
+            dims.validate_for_model(config)
+        if dims.tp_enabled and module is not None and not callable(getattr(module, "parallel_plan", None)):
+            raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan: define {type(module).__name__}."
+                             f"parallel_plan() returning a ParallelPlan with tp_block_plan / tp_root_plan, or set tp=1")
+        seq_len = getattr(getattr(getattr(module, "_trainer", None), "datamodule", None), "seq_len", None)
+        if dims.tp_enabled and self.tp_options.sequence_parallel and isinstance(seq_len, int) and seq_len % dims.tp:
+            raise ValueError(f"sequence parallel splits each sequence across tp={dims.tp} ranks, but the data "
+                             f"module's seq_len={seq_len} is not divisible by {dims.tp}: use seq_len="
+                             f"{seq_len + (-seq_len) % dims.tp}, or sequence_parallel=False")
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -217,6 +238,10 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()  # validates the degrees against the final world size, before the group
+        self._validate_model_early()
+        if self.tp_options.async_tp and self.root_device.type != "cuda":
+            raise ValueError(f"async_tp=True needs CUDA GPUs (symmetric memory between the TP ranks); this run is "
+                             f"on {self.root_device.type!r}: set async_tp=False")
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device)
         kwargs: dict[str, Any] = {"timeout": self._timeout}
@@ -225,6 +250,8 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._device_mesh is None:  # a second fit/validate with this strategy keeps its mesh
             self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+            if self.tp_options.async_tp and self.parallel_dims.tp_enabled:
+                enable_async_tp(self.parallel_dims.get_mesh("tp"))
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._device_mesh
 
@@ -246,6 +273,8 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
         if not getattr(module, "_disttrain_parallelized", False):  # a later validate/test reuses it
             self._parallelize(module)
             module._disttrain_parallelized = True
+        if self.parallel_dims.tp_enabled:
+            share_rng_state(self.parallel_dims.get_mesh("tp"))  # one dropout stream per TP group
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             # Fresh optimizers over the sharded parameters (also after a previous stage's setup).
@@ -258,10 +287,7 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
 
     def _parallelize(self, module: pl.LightningModule) -> None:
         """Precision conversion, initial weights, ``parallelize`` (every transform, in order)."""
-        dims = self.parallel_dims
-        config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
-        if config is not None:
-            dims.validate_for_model(config)
+        dims = self.parallel_dims  # checked against the model in _validate_model_early
         self.precision_plugin.convert_module(module)  # e.g. bf16-true: cast before sharding
         # A module that sharded itself in configure_model (the ModelParallelStrategy way) keeps
         # its own sharding; ours would wrap it a second time.
@@ -284,10 +310,13 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
         precision = getattr(self.precision_plugin, "precision", None)
         ctx = TransformContext(device=self.root_device, mesh=self.device_mesh, dims=dims,
                                precision=None if precision is None else str(precision))
+        # FSDP runs also over one data-parallel rank: every parameter is then a DTensor, as the
+        # optimizers' foreach kernels need (TP alone leaves some parameters plain).
         fsdp = None if self_sharded else FSDPSettings(
             mesh=dims.get_mesh("fsdp"), mp_policy=self.mp_policy or mp_policy_for_precision(ctx.precision),
             reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload)
-        done = parallelize(module, ctx, self.transforms, compile_options=self.compile_options, fsdp=fsdp)
+        tp = TPSettings(dims.get_mesh("tp"), self.tp_options) if dims.tp_enabled and not self_sharded else None
+        done = parallelize(module, ctx, self.transforms, compile_options=self.compile_options, tp=tp, fsdp=fsdp)
         self.parallelized_steps = done.steps
         self._root_is_lightning_module = (done.fsdp_root is module if done.fsdp_root is not None
                                           else isinstance(module, FSDPModule))
@@ -341,32 +370,6 @@ class _NDParallelBase(StepMixin, ParallelStrategy):
         pp_mesh = self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None
         install_mesh_aware_clipping(self._precision_plugin, pp_mesh=pp_mesh)
 
-    # -- collectives ------------------------------------------------------------------------
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        objs = [obj]
-        dist.broadcast_object_list(objs, src, group=_group.WORLD)
-        return objs[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None,
-               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     @override
     def teardown(self) -> None:
         # Not Strategy.teardown: moving the sharded module to the CPU would break a later
@@ -382,7 +385,7 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
 
     Args:
         dp_replicate, dp_shard, tp, pp, ep, cp: degrees (see ``ParallelDims``); ``dp_shard=-1``
-            takes whatever the world size leaves. tp/pp/ep/cp > 1 are not supported yet.
+            takes whatever the world size leaves. pp/ep/cp > 1 are not supported yet.
         reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (parameters stay gathered from forward
             to backward); int: reshard to groups of that many ranks.
         mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision
@@ -393,6 +396,7 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
         empty_init: run ``configure_model`` on the meta device and materialise (see
             ``_materialize``). Default False builds real weights, identical to a single-process
             run with the same seed.
+        sequence_parallel, loss_parallel, async_tp: with tp > 1 (``parallel.tensor.TensorParallelOptions``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for every Lightning ``ParallelStrategy`` (normally filled in by the Trainer).
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.

@@ -4,15 +4,19 @@ the (sharded) LightningModule.
 Lightning calls the strategy's ``training_step`` and then ``strategy.backward`` separately.
 FSDP needs the steps entered through the root module's ``__call__`` when the LightningModule
 itself is the root, its gradient sync switched off for accumulation, and its gathered parameters
-freed after forward-only evaluation. Pipeline and loss parallel, which need forward and backward
-inside one call, will own the whole step here.
+freed after forward-only evaluation. Loss parallel needs one context around the loss and its
+backward: Lightning runs them in two calls (``training_step``, then ``backward``), so the strategy
+enters ``loss_parallel()`` in both. Pipeline parallel, which runs forward and backward of every
+micro-batch in one schedule, will own the whole step here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
+
+from torch.distributed.tensor.parallel import loss_parallel
 
 from typing_extensions import override
 
@@ -44,8 +48,29 @@ class StepMixin:
         finally:
             set_gradient_sync(module, True)
 
+    @property
+    def loss_parallel_enabled(self) -> bool:
+        """Tensor parallel with vocabulary-sharded logits: the loss (forward and backward) must run
+        under ``loss_parallel()``, which the strategy enters around each step and its backward."""
+        dims = getattr(self, "_parallel_dims", None)
+        return dims is not None and dims.tp_enabled and self.tp_options.loss_parallel
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What the sequence length must be a multiple of (tp under sequence parallel, else 1)."""
+        dims = getattr(self, "_parallel_dims", None)
+        return dims.tp if dims is not None and dims.tp_enabled and self.tp_options.sequence_parallel else 1
+
+    def _loss_context(self):
+        return loss_parallel() if self.loss_parallel_enabled else nullcontext()
+
+    @override
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
+        with self._loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def _step(self, method: str, context, *args: Any, **kwargs: Any) -> Any:
-        with context():
+        with context(), self._loss_context():
             if self._root_is_lightning_module:
                 # FSDP's root hooks fire in __call__: enter *_step through the module's forward.
                 return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)

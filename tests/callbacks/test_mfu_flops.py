@@ -156,3 +156,17 @@ def test_forward_flop_counter_skips_backward_and_its_recomputation():
     assert both.get_total_flops() == forward.get_total_flops() > 0
     # CPU's fused attention kernel is counted (torch's own registry misses it).
     assert any("flash_attention_for_cpu" in str(op) for op in forward.get_flop_counts()["Global"])
+
+
+def test_measuring_under_tensor_parallel_is_refused_with_the_fix():
+    # FlopCounterMode would see DTensor ops whole and local-shard ops per shard: no sound total.
+    from types import SimpleNamespace
+
+    import lightning.pytorch as pl
+
+    from lightning_disttrain.callbacks import MFUMonitor
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(_parallel_dims=SimpleNamespace(tp=2)))
+    with pytest.raises(ValueError, match=r"cannot measure FLOPs per token under tensor parallel \(tp=2\); "
+                                         r"define flops_per_token\(seq_len\) on LightningModule"):
+        MFUMonitor().on_fit_start(trainer, pl.LightningModule())

@@ -9,7 +9,9 @@ B  2 ranks, 6 steps, sync saves every 2 steps, keep 2: the run that is "interrup
 C  4 ranks, 4 steps, one save at the end (plus the gathered full state): the reshard source
 E  2 ranks, 30 steps, async saves every step with save_last=True (two saves back to back), keep 2
 D  2 ranks, one new process, several fits: resume B (via "last"), A (async), C (reshard), E,
-   a "last" whose newest checkpoint is incomplete, and four damaged checkpoints
+   a "last" whose newest checkpoint is incomplete, four damaged checkpoints, and tensor parallel:
+   train tp=2 and save, resume tp=2 from it, reshard it to tp=1
+C also loads its own checkpoint as FSDP2 x TP 2x2 in the same 4 processes after training.
 Every launch runs the project's NDParallelStrategy; a launch that hangs fails after its timeout.
 """
 
@@ -86,8 +88,12 @@ def runs(tmp_path_factory):
     listings = {name: sorted(p.name for p in (root / name).iterdir()) for name in ("a_ckpt", "b_ckpt")}
     link_targets = {name: (root / name / "last.ckpt").resolve().name for name in ("a_ckpt", "b_ckpt")}
     exported = export_consolidated(root / "a_ckpt" / "step=012.ckpt", root / "a_export.pt")
+    # C, then in the same 4 processes: its step-4 checkpoint loaded as FSDP2 x TP 2x2 (reshard 4 -> 2x2).
+    (root / "c_jobs.json").write_text(json.dumps([
+        {"name": "to_2x2", "ckpt_path": str(root / "c_ckpt" / "step=004.ckpt"), "steps": 5, "tp": 2,
+         "dump_state": True}]))
     c = _launch(root / "c", "train", "--steps", "4", "--ckpt-dir", str(root / "c_ckpt"), "--every", "4",
-                "--top-k", "1", "--dump-state", devices=4, timeout=300)
+                "--top-k", "1", "--dump-state", "--jobs", str(root / "c_jobs.json"), devices=4, timeout=300)
     # E: async saves every step with save_last=True: a top-k save and a full "last" save back to back.
     e = _launch(root / "e", "train", "--steps", "30", "--total-steps", "30", "--ckpt-dir", str(root / "e_ckpt"),
                 "--every", "1", "--top-k", "2", "--async-save", "--save-last", "true", timeout=300)
@@ -104,6 +110,12 @@ def runs(tmp_path_factory):
         {"name": "reshard", "ckpt_path": str(root / "c_ckpt" / "step=004.ckpt"), "steps": 6, "dump_state": True},
         {"name": "init_from_export", "ckpt_path": None, "init_from": str(exported), "steps": 1},
         *({"name": how, "ckpt_path": str(root / f"bad_{how}"), "steps": 12} for how in damaged),
+        # Tensor parallel (tp=2, sequence + loss parallel, dropout on): train and save, resume on the
+        # same layout, and reshard to plain FSDP2 (tp=1).
+        {"name": "tp_train", "ckpt_path": None, "steps": 6, "tp": 2, "save_dir": str(root / "tp_ckpt"),
+         "save_every": 3, "dump_final": True},
+        {"name": "tp_resume", "ckpt_path": str(root / "tp_ckpt" / "step=003.ckpt"), "steps": 6, "tp": 2},
+        {"name": "tp_to_1", "ckpt_path": str(root / "tp_ckpt" / "step=006.ckpt"), "steps": 7, "dump_state": True},
         {"name": "e_from29", "ckpt_path": str(root / "e_ckpt" / "step=029.ckpt"), "steps": 30, "total_steps": 30},
         {"name": "e_from_last", "ckpt_path": str(root / "e_ckpt" / "last.ckpt"), "steps": 31, "total_steps": 30,
          "dump_state": True},
@@ -308,3 +320,43 @@ def test_back_to_back_async_saves_every_step_neither_hang_nor_corrupt(runs):
     assert restored.keys() == exported.keys()
     for key, value in exported.items():
         assert torch.equal(value, restored[key]), key
+
+
+def _assert_same_state(saved: dict, restored: dict) -> None:
+    assert saved["model"].keys() == restored["model"].keys()
+    for key, value in saved["model"].items():
+        assert torch.equal(value, restored["model"][key]), key
+    (s_opt,), (r_opt,) = saved["optimizers"], restored["optimizers"]
+    assert s_opt["param_groups"] == r_opt["param_groups"] and s_opt["state"].keys() == r_opt["state"].keys()
+    for fqn, state in s_opt["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, r_opt["state"][fqn][name]), (fqn, name)
+
+
+def test_tensor_parallel_resumes_bitwise_on_the_same_layout(runs):
+    # tp=2 with dropout: both TP ranks share one RNG stream (restored per rank), so the continuation
+    # from step 3 reproduces steps 4-6 exactly.
+    for rank in (0, 1):
+        trained, resumed = runs["d"][rank]["tp_train"], runs["d"][rank]["tp_resume"]
+        assert trained["ok"] and resumed["ok"], (trained.get("traceback"), resumed.get("traceback"))
+        assert resumed["start_step"] == 3
+        assert _steps(resumed["losses"], after=3) == _steps(trained["losses"], after=3)
+        assert len(_steps(trained["losses"], after=3)) == 3
+    # TP ranks of one replica read the same batches and compute the same loss.
+    assert runs["d"][0]["tp_train"]["samples"] == runs["d"][1]["tp_train"]["samples"]
+    assert runs["d"][0]["tp_train"]["losses"] == runs["d"][1]["tp_train"]["losses"]
+
+
+def test_tensor_parallel_checkpoints_reshard_to_other_layouts(runs):
+    root = runs["root"]
+    # tp=2 -> tp=1 (2 ranks of FSDP2): weights and optimizer state equal.
+    for rank in (0, 1):
+        assert runs["d"][rank]["tp_to_1"]["ok"], runs["d"][rank]["tp_to_1"].get("traceback")
+    _assert_same_state(torch.load(root / "d" / "tp_train_final.pt", weights_only=False),
+                       torch.load(root / "d" / "tp_to_1_restored.pt", weights_only=False))
+    # FSDP2 on 4 ranks -> FSDP2 x TP 2x2: equal as well.
+    for r in runs["c"]:
+        assert r["jobs"]["to_2x2"]["ok"], r["jobs"]["to_2x2"].get("traceback")
+        assert r["jobs"]["to_2x2"]["start_step"] == 4
+    _assert_same_state(torch.load(root / "c" / "final_state.pt", weights_only=False),
+                       torch.load(root / "c" / "to_2x2_restored.pt", weights_only=False))

@@ -51,6 +51,8 @@ RUNS = {
     "fsdp2_bf16": ("fsdp2", 1),          # precision="bf16-mixed": bf16 compute, fp32 reduction
     "ddp_like": ("ddp_like", 1),         # dp_replicate=N, dp_shard=1: FSDP2 only all-reduces
     "fsdp2_reshard2": ("fsdp2_reshard2", 1),  # reshard_after_forward=2: to pairs of ranks (4 ranks)
+    "fsdp2_tp": ("fsdp2_tp", 1),         # FSDP2 x TP 2x2 (4 ranks): 2 data-parallel replicas of 2 TP ranks
+    "hsdp_tp": ("hsdp_tp", 1),           # HSDP (2 replicas, shard 1) x TP 2 (4 ranks)
 }
 
 # Count FSDP's reduce-scatters: it calls torch.distributed.reduce_scatter_single for each unit's
@@ -180,6 +182,10 @@ def _strategy(name: str):
         return NDParallelStrategy(dp_replicate=2, dp_shard=1)
     if name == "hsdp":
         return FSDP2Strategy(hsdp=(2, -1))  # "hsdp" by name on one node is plain FSDP2
+    if name == "fsdp2_tp":
+        return NDParallelStrategy(dp_shard=2, tp=2)
+    if name == "hsdp_tp":
+        return NDParallelStrategy(dp_replicate=2, dp_shard=1, tp=2)
     if name == "fsdp2_reshard2":
         return FSDP2Strategy(reshard_after_forward=2)
     if name == "fsdp2_meta":
@@ -227,7 +233,8 @@ def _unit_reshard(model) -> dict:
 
 def fit_run(run: str, devices: int) -> dict:
     strategy_name, accumulate = RUNS[run]
-    micro = GLOBAL_BATCH // (devices * accumulate)
+    dp = devices // (2 if strategy_name.endswith("_tp") else 1)  # TP ranks of one replica share its batch
+    micro = GLOBAL_BATCH // (dp * accumulate)
     L.seed_everything(0)
     model = FlatGPT() if run.startswith("flat") else RecordedGPT(untied=run.endswith("untied"))
     probe = TransformProbe()

@@ -17,7 +17,7 @@ HERE = Path(__file__).parent
 TOL = 1e-5
 TWO_RANK_RUNS = ["fsdp2", "fsdp2_zero2", "fsdp2_accum4", "fsdp2_meta", "fsdp2_compile", "fsdp2_bf16", "flat_fsdp2",
                  "ddp_like", "fsdp2_untied"]
-FOUR_RANK_RUNS = ["fsdp2", "hsdp", "fsdp2_reshard2"]
+FOUR_RANK_RUNS = ["fsdp2", "hsdp", "fsdp2_reshard2", "fsdp2_tp", "hsdp_tp"]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_gradient_accumulation_4x1_equals_1x4_and_skips_reduce_scatter(two, sing
 
 
 def test_gradient_clipping_uses_the_global_norm(two, four, single):
-    runs = [two["fsdp2"], two["fsdp2_accum4"], four["hsdp"]]
+    runs = [two["fsdp2"], two["fsdp2_accum4"], four["hsdp"], four["fsdp2_tp"]]  # 2x2: norms over both dims
     for ranks in runs:
         for r in ranks:
             assert "install_mesh_aware_clipping" in r["clip_fn"]  # our DTensor-aware clip is what ran
@@ -211,3 +211,18 @@ data:
         assert r["strategy"] == "FSDP2Strategy" and r["world_size"] == 2 and r["global_step"] == 3
         assert r["sampler"] == {"num_replicas": 2, "rank": rank}
     assert ranks[0]["loss"] == ranks[1]["loss"]  # logged with sync_dist: the global mean on every rank
+
+
+def test_fsdp2_x_tensor_parallel_2x2(four):
+    # Parameters are sharded over both: FSDP over the data-parallel pair, TP within each pair.
+    for r in four["fsdp2_tp"]:
+        assert (r["dims"]["dp_shard"], r["dims"]["tp"]) == (2, 2)
+        assert r["mesh_dims"] == ["dp_shard_cp", "tp"] and r["placements"] == ["_S(0, 2)", "S(0)"]
+        assert r["local_rows"] == 32 // 4
+        # The sampler counts replicas, not ranks: the TP pair (0, 1) reads replica 0's samples.
+        assert r["sampler"]["num_replicas"] == 2
+    assert [r["sampler"]["rank"] for r in four["fsdp2_tp"]] == [0, 0, 1, 1]
+    for r in four["hsdp_tp"]:
+        assert (r["dims"]["dp_replicate"], r["dims"]["dp_shard"], r["dims"]["tp"]) == (2, 1, 2)
+        assert r["mesh_dims"] == ["dp_replicate", "dp_shard_cp", "tp"] and r["local_rows"] == 32 // 2
+    assert [r["sampler"]["rank"] for r in four["hsdp_tp"]] == [0, 0, 1, 1]

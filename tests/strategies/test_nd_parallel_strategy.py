@@ -13,7 +13,7 @@ def trainer(strategy, devices=2, num_nodes=1):
                      logger=False, enable_progress_bar=False, enable_checkpointing=False)
 
 
-@pytest.mark.parametrize("name", ["tp", "pp", "ep", "cp"])
+@pytest.mark.parametrize("name", ["pp", "ep", "cp"])
 def test_unsupported_degrees_fail_at_construction(name):
     with pytest.raises(ValueError, match=rf"{name}=2\) is not supported yet.*set {name}=1"):
         NDParallelStrategy(**{name: 2})
@@ -38,6 +38,9 @@ def test_registered_names():
     s = trainer("fsdp2_zero2").strategy
     assert type(s) is FSDP2Strategy and s.reshard_after_forward is False
     assert s.is_distributed  # Lightning then syncs self.log(sync_dist=True)
+    s = trainer("fsdp2_tp", devices=4).strategy
+    assert type(s) is NDParallelStrategy and (s.parallel_dims.dp_shard, s.parallel_dims.tp) == (2, 2)
+    assert s.tp_options.sequence_parallel and s.tp_options.loss_parallel
 
 
 @pytest.mark.parametrize(("devices", "num_nodes", "split"), [

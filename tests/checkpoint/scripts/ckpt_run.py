@@ -60,7 +60,7 @@ def cmd_train(args) -> tuple[int, dict]:
     if args.slow_write:
         _slow_down_writes(args.slow_write)
     L.seed_everything(1234, workers=True)
-    strategy = build_strategy(async_save=args.async_save)
+    strategy = build_strategy(async_save=args.async_save, tp=args.tp)
     durations = _time_saves(strategy)
     out = Path(args.out)
     rec = Recorder(probe_dir=args.ckpt_dir if args.async_save else None,
@@ -71,9 +71,11 @@ def cmd_train(args) -> tuple[int, dict]:
         callbacks.append(_checkpointing(args.ckpt_dir, args.every, args.top_k, args.save_last))
     trainer = _trainer(args, strategy, args.steps, callbacks)
     trainer.fit(build_module(total_steps=args.total_steps), datamodule=build_data(args.data))
-    return trainer.global_rank, {
-        "losses": rec.losses, "samples": rec.samples, "probes": rec.probes, "save_seconds": durations,
-        "strategy": strategy_kind(strategy), "world_size": trainer.world_size}
+    result = {"losses": rec.losses, "samples": rec.samples, "probes": rec.probes, "save_seconds": durations,
+              "strategy": strategy_kind(strategy), "world_size": trainer.world_size}
+    if args.jobs:  # resume jobs in the same processes, e.g. onto another layout of the same ranks
+        result["jobs"] = cmd_resume(args)[1]
+    return trainer.global_rank, result
 
 
 def cmd_resume(args) -> tuple[int, dict]:
@@ -82,14 +84,17 @@ def cmd_resume(args) -> tuple[int, dict]:
     for job in jobs:
         name = job["name"]
         L.seed_everything(99, workers=True)  # a different seed: everything must come from the checkpoint
-        strategy = build_strategy(async_save=False)
+        strategy = build_strategy(async_save=False, tp=job.get("tp", 1))
         out = Path(args.out)
         rec = Recorder(dump_state_to=out / f"{name}_restored.pt" if job.get("dump_state") else None,
+                       full_state_to=out / f"{name}_final.pt" if job.get("dump_final") else None,
                        init_from=job.get("init_from"),
                        start_logits_to=out / f"{name}_start_logits.pt" if job.get("init_from") else None)
         callbacks = [rec]
         if job.get("last_dir"):  # the same callback as the run that saved (its state is restored)
             callbacks.append(_checkpointing(job["last_dir"], 2, 2))
+        if job.get("save_dir"):  # a job that trains from scratch and keeps every checkpoint
+            callbacks.append(_checkpointing(job["save_dir"], job["save_every"], -1))
         trainer = _trainer(args, strategy, job["steps"], callbacks)
         module = build_module(total_steps=job.get("total_steps", 12))
         data = build_data(args.data)
@@ -164,10 +169,11 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--save-last", choices=("link", "true"), default="link")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (train)")
     p.add_argument("--slow-write", type=float, default=0.0)
     p.add_argument("--logits", action="store_true", help="save logits on a fixed input after training")
     p.add_argument("--dump-state", action="store_true", help="save the full state after training")
-    p.add_argument("--jobs", default=None)
+    p.add_argument("--jobs", default=None, help="resume jobs (resume; with train: run after training)")
     p.add_argument("--data", required=True, help="directory of token shards (harness.write_indexed_shard)")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,8 @@ MICRO_BATCH = 2
 N_SAMPLES = 4096
 
 
-def build_strategy(async_save: bool = False) -> NDParallelStrategy:
-    return NDParallelStrategy(async_save=async_save)
+def build_strategy(async_save: bool = False, tp: int = 1) -> NDParallelStrategy:
+    return NDParallelStrategy(async_save=async_save, tp=tp)
 
 
 def strategy_kind(strategy) -> str:
@@ -119,9 +119,10 @@ class Recorder(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start_step = trainer.global_step
-        # Distinct streams per rank, so that restoring "each rank its own" is actually tested. A
-        # resumed run overwrites this with the checkpoint's state before its first batch.
-        torch.manual_seed(1000 + trainer.global_rank)
+        # Distinct streams per data-parallel rank, so that restoring "each rank its own" is actually
+        # tested (the TP ranks of one replica share one stream). A resumed run overwrites this with
+        # the checkpoint's state before its first batch.
+        torch.manual_seed(1000 + trainer.strategy.distributed_sampler_kwargs["rank"])
         if self.init_from is not None:  # a consolidated export as the initial weights of a sharded run
             from lightning_disttrain.checkpoint import load_consolidated_into
 
