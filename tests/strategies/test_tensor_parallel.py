@@ -19,9 +19,11 @@ from lightning_disttrain.module import GPTModule
 from lightning_disttrain.strategies import NDParallelStrategy
 
 HERE = Path(__file__).parent
-RUNS = ["tp2", "tp2_nosp", "tp2_nolp", "tp2_variant", "tp2_sac", "tp2_fullac", "tp2_float8", "tp2_mixer"]
+RUNS = ["tp2", "tp2_nosp", "tp2_nolp", "tp2_variant", "tp2_sac", "tp2_fullac", "tp2_float8", "tp2_mixer",
+        "tp2_compile"]
 BASELINE = {"tp2": "single", "tp2_nosp": "single", "tp2_nolp": "single", "tp2_variant": "single_variant",
-            "tp2_sac": "single", "tp2_fullac": "single", "tp2_float8": "single_float8", "tp2_mixer": "single_mixer"}
+            "tp2_sac": "single", "tp2_fullac": "single", "tp2_float8": "single_float8", "tp2_mixer": "single_mixer",
+            "tp2_compile": "single"}
 TOL = 1e-5
 FLOAT8_TOL = 1e-3
 """float8 (emulated on CPU) under TP vs one process: the same casts, scales from the same amax
@@ -159,3 +161,10 @@ def test_async_tp_is_refused_without_compile_and_on_cpu():
     strategy = _strategy(GPTModule("tiny"), tp=2, dp_shard=1, async_tp=True, compile=True)
     with pytest.raises(ValueError, match=r"async_tp=True needs CUDA GPUs .* this run is on 'cpu': set async_tp=False"):
         strategy.setup_environment()
+
+
+@pytest.mark.slow
+def test_compiled_checkpointed_blocks_under_tp(two):
+    # Per-block compile (aot_eager: no C++ toolchain needed) of the TP-sharded, checkpointed blocks.
+    assert [s.split(":")[0] for s in two["tp2_compile"][0]["steps"]] == [
+        "tensor_parallel", "activation_checkpointing", "compile", "fsdp"]

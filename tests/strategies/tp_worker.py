@@ -107,6 +107,7 @@ RUNS = {
     "single_float8": (base.RecordedGPT, None, ("float8",)),
     "tp2_float8": (base.RecordedGPT, dict(tp=2), ("float8",)),
     "tp2_mixer": (MixerLM, dict(tp=2), ()),
+    "tp2_compile": (base.RecordedGPT, dict(tp=2, compile={"backend": "aot_eager"}), ("sac",)),
     "fsdp2_tp": (base.RecordedGPT, dict(dp_shard=2, tp=2), ()),
 }
 
