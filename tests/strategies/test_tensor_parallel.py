@@ -168,3 +168,27 @@ def test_compiled_checkpointed_blocks_under_tp(two):
     # Per-block compile (aot_eager: no C++ toolchain needed) of the TP-sharded, checkpointed blocks.
     assert [s.split(":")[0] for s in two["tp2_compile"][0]["steps"]] == [
         "tensor_parallel", "activation_checkpointing", "compile", "fsdp"]
+
+
+def test_float8_linears_get_torchaos_float8_styles_where_float8_can_be_gathered():
+    # The mapping the TP stage applies on NCCL meshes (gloo has no float8 type, so on CPU the
+    # Float8Linears keep the plain styles: test_tp2_matches_one_process[tp2_float8]).
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from lightning_disttrain.models.gpt import GPTConfig
+    from lightning_disttrain.models.gpt_tp import block_plan
+    from lightning_disttrain.parallel.tensor import TensorParallelOptions, _float8_styles
+
+    plan = block_plan(GPTConfig.from_name("tiny"), TensorParallelOptions())
+    float8 = {f"model.blocks.0.{n}" for n in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2")}
+    styles = _float8_styles(plan, "model.blocks.0", float8)
+    assert all(type(styles[n]) is Float8ColwiseParallel for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1"))
+    assert type(styles["attn.wo"]) is Float8RowwiseParallel and type(styles["mlp.w2"]) is Float8RowwiseParallel
+    assert type(styles["attn"]) is PrepareFloat8ModuleInput and type(styles["mlp"]) is PrepareFloat8ModuleInput
+    assert styles["attn.wo"].output_layouts == plan["attn.wo"].output_layouts  # layouts carried over
+    assert type(_float8_styles(plan, "model.blocks.0", set())["attn"]) is PrepareModuleInput
