@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.optim import SCHEDULES, build_optimizer, build_scheduler
+from lightning_disttrain.parallel.pipeline import PipelinePlan
 from lightning_disttrain.parallel.plan import ParallelPlan
 from lightning_disttrain.parallel.tensor import vocabulary_padding_bias
 
@@ -135,9 +136,11 @@ class GPTModule(L.LightningModule):
         self.configure_model()
         m, c = self.model, self.config
         groups = [] if c.tie_embeddings else [[m.wte], [m.ln_f, m.lm_head]]
+        groups = [g for g in groups if all(x is not None for x in g)]  # a pipeline stage holds some
         return ParallelPlan(blocks=m.blocks, fsdp_groups=groups,
                             tp_block_plan=lambda options: gpt_tp.block_plan(c, options),
-                            tp_root_plan=lambda options: gpt_tp.root_plan(c, options, prefix="model"))
+                            tp_root_plan=lambda options: gpt_tp.root_plan(c, options, prefix="model"),
+                            pipeline=PipelinePlan(m, first=("wte", "wpe"), last=("ln_f", "lm_head")))
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (6·N + 12·L·H·Dh·T); see ``GPT.flops_per_token``."""
@@ -168,7 +171,23 @@ class GPTModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = self.loss_fn(self(x), y)
+        return self._log_train(self.loss_fn(self(x), y), x)
+
+    # Pipeline parallel (strategies/pipeline_steps.py): the strategy runs the schedule, the last
+    # stage computes pipeline_loss per micro-batch, and these log what the steps above log.
+    def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, targets)
+
+    def pipeline_training_step(self, batch, batch_idx: int, loss: torch.Tensor) -> torch.Tensor:
+        return self._log_train(loss, batch[0])
+
+    def pipeline_validation_step(self, batch, batch_idx: int, loss: torch.Tensor) -> None:
+        self._log_eval(loss, batch[0], "val", self.val_loss, self.val_ppl)
+
+    def pipeline_test_step(self, batch, batch_idx: int, loss: torch.Tensor) -> None:
+        self._log_eval(loss, batch[0], "test", self.test_loss, self.test_ppl)
+
+    def _log_train(self, loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         self.tokens_seen += x.numel() * self._data_parallel_size()
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)
         self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
@@ -201,7 +220,9 @@ class GPTModule(L.LightningModule):
 
     def _evaluate(self, batch, stage: str, loss_metric: MeanMetric, ppl_metric: Perplexity) -> None:
         x, y = batch
-        loss = self.loss_fn(self(x), y)
+        self._log_eval(self.loss_fn(self(x), y), x, stage, loss_metric, ppl_metric)
+
+    def _log_eval(self, loss, x, stage: str, loss_metric: MeanMetric, ppl_metric: Perplexity) -> None:
         # Weighted by tokens: the epoch value is the mean loss per token over all batches and ranks.
         loss_metric.update(loss, weight=x.numel())
         ppl_metric.update(loss, weight=x.numel())
@@ -270,6 +291,14 @@ class GPTModule(L.LightningModule):
         if T % multiple:
             # Pad on the right: causal attention keeps the padding out of the positions before it.
             idx = torch.cat([idx, idx[:, -1:].expand(-1, multiple - T % multiple)], dim=1)
+        if getattr(strategy, "pipeline_enabled", False):
+            # The last stage has the logits; every rank runs the pipeline and receives them. Padded
+            # to a power of two (causal: the padding cannot change position T - 1), so the
+            # pipeline's stages, built per shape, are reused across the tokens of a generation.
+            width = min(max(1 << (idx.size(1) - 1).bit_length(), multiple), self.config.block_size)
+            if width > idx.size(1):
+                idx = torch.cat([idx, idx[:, -1:].expand(-1, width - idx.size(1))], dim=1)
+            return strategy.pipeline_logits(idx, T - 1)
         logits = self(idx)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()

@@ -4,8 +4,10 @@ GPT-2 by default (learned positions, LayerNorm, GELU MLP, tied embedding and hea
 initialisation) with the switches modern runs use: RoPE, RMSNorm, SwiGLU or ReLU², QK-norm,
 grouped-query attention, an untied head, and a vocabulary padded to a multiple of 64.
 
-The repeated blocks are one ``nn.ModuleList`` (``GPT.blocks``): the unit that FSDP wraps,
-activation checkpointing recomputes, ``torch.compile`` compiles and the pipeline splits.
+The repeated blocks are one ``nn.ModuleDict`` keyed by layer index (``GPT.blocks``): the unit
+that FSDP wraps, activation checkpointing recomputes, ``torch.compile`` compiles and the pipeline
+splits. Keyed by index rather than listed, a pipeline stage keeps blocks 4..7 under their own names
+(``blocks.4``), so checkpoints move between pipeline layouts; the FQNs equal a ``ModuleList``'s.
 """
 
 from __future__ import annotations
@@ -222,6 +224,18 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
+class Layers(nn.ModuleDict):
+    """The blocks, keyed by layer index (``"0"``, ``"1"``, ...), used like an ``nn.ModuleList``:
+    iterating yields the blocks in order and ``layers[i]`` is layer ``i``. A pipeline stage deletes
+    the layers it does not hold and the others keep their index, hence their names."""
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        return self._modules[str(key)] if isinstance(key, int) else super().__getitem__(key)
+
+
 class GPT(nn.Module):
     trim_logits: bool = False
     """Whether ``forward`` returns logits over ``config.vocab_size`` only, without the vocabulary
@@ -237,7 +251,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(V, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = Layers({str(i): Block(config) for i in range(config.n_layer)})
         self.ln_f = _norm(config)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         if config.tie_embeddings:
@@ -289,18 +303,27 @@ class GPT(nn.Module):
         ``GPTModule``'s loss and ``generate`` do, so they are never predicted. Returning the padded
         tensor (not a slice) keeps the output a fresh tensor, which FSDP's backward hooks need,
         and the cut costs nothing extra because the loss copies the logits to fp32 anyway.
+
+        A pipeline stage is this model with parts removed (``parallel.pipeline``): without the
+        token embedding its input is the previous stage's hidden states (B, T, n_embd); without
+        the head it returns its hidden states.
         """
-        T = idx.size(1)
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}; "
-                             f"use shorter sequences or a config with a larger block_size")
-        x = self.wte(idx)
-        if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
-        x = self.drop(x)
+        if self.wte is not None:
+            T = idx.size(1)
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}; "
+                                 f"use shorter sequences or a config with a larger block_size")
+            x = self.wte(idx)
+            if self.wpe is not None:
+                x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = self.drop(x)
+        else:
+            x = idx  # a later pipeline stage: the hidden states of the one before
         rope = (self.rope_cos, self.rope_sin) if self.config.pos_emb == "rope" else None
         for block in self.blocks:
             x = block(x, rope)
+        if self.lm_head is None:
+            return x
         logits = self.lm_head(self.ln_f(x))
         if self.trim_logits:
             # contiguous: callers reshape logits with .view (nanoGPT-style losses do).

@@ -23,6 +23,7 @@ FLAT_DIMS: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "stage": ("dp_replicate", "dp_shard", "cp", "tp"),
 }
 
 
@@ -64,6 +65,8 @@ class ParallelDims:
         2-D (``dp_replicate``, ``dp_shard_cp``) view: replicate along dim 0, shard along dim 1.
     ``dp_cp`` = ``dp_replicate`` x ``dp_shard`` x ``cp``
         Every rank whose gradients are averaged: loss averaging when cp > 1.
+    ``stage`` = every dimension but ``pp``
+        The ranks that hold the same pipeline stage(s): initial weights are broadcast over it.
 
     ``ep`` (expert parallel) is not a dimension of its own: it borrows ranks from ``dp_shard_cp``
     (experts are sharded over ranks that would otherwise each hold a shard of them), so it must

@@ -15,6 +15,8 @@ from typing import Union
 
 import torch.nn as nn
 
+from lightning_disttrain.parallel.pipeline import PipelinePlan
+
 Blocks = Union[nn.ModuleList, nn.ModuleDict]
 """The container of the repeated blocks: its own name and its keys are part of every block FQN."""
 
@@ -37,6 +39,8 @@ class ParallelPlan:
     """``parallelize_module`` plan for the root: embedding, final norm, head."""
     moe_layers: list[nn.Module] | None = None
     """Mixture-of-experts layers, for expert parallel."""
+    pipeline: PipelinePlan | None = None
+    """How the model splits into pipeline stages (``parallel.pipeline.PipelinePlan``); pp > 1 needs it."""
 
     @property
     def block_list(self) -> list[nn.Module]:

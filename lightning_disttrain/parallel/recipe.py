@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_disttrain.parallel.fsdp import apply_fsdp, check_tied_units, fsdp_root
 from lightning_disttrain.parallel.materialize import check_ties, tied_parameters
-from lightning_disttrain.parallel.plan import find_parallel_plan
+from lightning_disttrain.parallel.plan import ParallelPlan, find_parallel_plan
 from lightning_disttrain.parallel.tensor import TensorParallelOptions, apply_tp
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 
@@ -43,6 +43,16 @@ class TPSettings:
 
 
 @dataclass
+class PipelineSettings:
+    """What stage 2 did (``parallel.pipeline.split_model``, run by the strategy before the weights
+    are materialised, so that no rank allocates the blocks it does not hold)."""
+
+    stages: list
+    """The modules this rank runs as pipeline stages: each becomes its own FSDP root."""
+    summary: str = ""
+
+
+@dataclass
 class Parallelized:
     """What ``parallelize`` did."""
 
@@ -55,12 +65,14 @@ class Parallelized:
 def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformRegistry, *,
                 compile_options: dict[str, Any] | None = None,
                 tp: TPSettings | None = None,
-                fsdp: FSDPSettings | None = None) -> Parallelized:
+                fsdp: FSDPSettings | None = None,
+                pipeline: PipelineSettings | None = None) -> Parallelized:
     """Apply every parallelism to ``module`` in place, in the order DESIGN.md fixes.
 
     ``compile_options``: None skips compilation; a dict (possibly empty) compiles each block.
     ``tp``: None skips tensor parallel.
     ``fsdp``: None skips sharding (e.g. the model sharded itself in ``configure_model``).
+    ``pipeline``: the stages this rank keeps (None: no pipeline).
     """
     done = Parallelized()
     plan = find_parallel_plan(module)
@@ -73,7 +85,9 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
 
     # 1. dtype conversions from callbacks (float8 Linear swap): they must see plain nn.Linear.
     stage("dtype")
-    # 2. pipeline split: each rank keeps only its blocks (pipeline-parallel issue).
+    # 2. pipeline split: each rank keeps only its blocks (already done: see PipelineSettings).
+    if pipeline is not None:
+        done.steps.append(pipeline.summary)
     stage("pipeline")
     # 3. tensor / sequence / loss parallel: shards weights before FSDP shards them again (2-D);
     #    float8 Linears (step 1) get torchao's float8 styles.
@@ -99,7 +113,13 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
     stage("compile")
     # 7. FSDP2 per block, per plan group, then the root: outermost, so its hooks stay outside
     #    compiled and checkpointed code. Modules sharing a parameter must share a unit.
-    if fsdp is not None:
+    if fsdp is not None and pipeline is not None:
+        # Each stage is a root: the schedule runs it alone and finishes its gradient reduction.
+        for part in pipeline.stages:
+            apply_fsdp(part, stage_plan(plan, part), fsdp.mesh, mp_policy=fsdp.mp_policy,
+                       reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.cpu_offload)
+        done.steps.append(f"fsdp: {len(plan.block_list)} blocks + {len(pipeline.stages)} stage roots")
+    elif fsdp is not None:
         root = fsdp_root(module)
         root_name = type(root).__name__  # before fully_shard renames the class to FSDP<name>
         check_tied_units(root, plan, tied_parameters(root))
@@ -111,3 +131,14 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
     stage("fsdp")
     check_ties(module, ties)
     return done
+
+
+def stage_plan(plan: ParallelPlan, part: nn.Module) -> ParallelPlan:
+    """``plan`` restricted to the blocks and FSDP groups of one pipeline stage."""
+    from lightning_disttrain.parallel.plan import find_blocks
+
+    mine = {id(m) for m in part.modules()}
+    blocks = find_blocks(part) if plan.pipeline is None else part.get_submodule(
+        next(n for n, c in plan.pipeline.module.named_children() if c is plan.blocks))
+    groups = [g for g in plan.fsdp_groups if all(id(m) in mine for m in g)]
+    return ParallelPlan(blocks=blocks, fsdp_groups=groups)

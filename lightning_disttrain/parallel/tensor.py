@@ -83,6 +83,8 @@ def apply_tp(module: nn.Module, plan: ParallelPlan, tp_mesh, options: TensorPara
     check_plan(module, plan)
     block_plan = resolve(plan.tp_block_plan, options)
     root_plan = resolve(plan.tp_root_plan, options) or {}
+    # A pipeline stage holds only some of the root's modules (embeddings first, head last).
+    root_plan = {k: v for k, v in root_plan.items() if _present(module, k)}
     float8 = set(float8_fqns or []) if tp_mesh.device_type != "cpu" else set()
     ties = tied_parameters(module)
     names = {id(m): n for n, m in module.named_modules()}
@@ -102,6 +104,13 @@ def apply_tp(module: nn.Module, plan: ParallelPlan, tp_mesh, options: TensorPara
     retie_parameters(module, ties)
     if options.sequence_parallel:
         module.register_forward_pre_hook(partial(_check_sequence_length, tp_mesh.size()))
+
+
+def _present(module: nn.Module, fqn: str) -> bool:
+    try:
+        return module.get_submodule(fqn) is not None
+    except AttributeError:
+        return False
 
 
 def _layout(p: torch.Tensor) -> Any:

@@ -66,18 +66,20 @@ from lightning_disttrain.parallel.materialize import (
     materialize_,
 )
 from lightning_disttrain.parallel.mesh import ParallelDims
-from lightning_disttrain.parallel.recipe import FSDPSettings, TPSettings, parallelize
+from lightning_disttrain.parallel.pipeline import PipelineOptions
+from lightning_disttrain.parallel.recipe import FSDPSettings, PipelineSettings, TPSettings, parallelize
 from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_async_tp, share_rng_state
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
 from lightning_disttrain.strategies.collectives import CollectivesMixin
+from lightning_disttrain.strategies.pipeline_steps import PipelineStepMixin
 from lightning_disttrain.strategies.steps import StepMixin
 
 # Degrees whose transforms exist. The TP / PP / EP / CP issues add theirs here.
-_SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp")
+_SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 
 
-class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
+class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, ParallelStrategy):
     """Everything of ``NDParallelStrategy`` but checkpointing. A base class rather than the class
     itself so that ``DCPCheckpointMixin`` sits above these methods in the MRO: its ``teardown``
     (which finishes an async save) reaches ours through ``super()`` instead of being hidden by it."""
@@ -99,6 +101,11 @@ class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         async_tp: bool = False,
+        pp_schedule: str = "1F1B",
+        pp_microbatches: Optional[int] = None,
+        pp_stages_per_rank: Optional[int] = None,
+        pp_split_points: Optional[list[int]] = None,
+        pp_edge_cost: float = 0.0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -115,7 +122,7 @@ class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
             if value != 1 and name not in _SUPPORTED_DEGREES:
                 raise ValueError(
                     f"{type(self).__name__}({name}={value}) is not supported yet: only "
-                    f"{' / '.join(_SUPPORTED_DEGREES)} (FSDP2 / HSDP, tensor parallel) are implemented so far; "
+                    f"{' / '.join(_SUPPORTED_DEGREES)} (FSDP2 / HSDP, tensor and pipeline parallel) are implemented so far; "
                     f"set {name}=1")
         if isinstance(reshard_after_forward, bool) or (isinstance(reshard_after_forward, int)
                                                        and reshard_after_forward > 1):
@@ -138,6 +145,8 @@ class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
         if async_tp and self.compile_options is None:
             raise ValueError("async_tp=True fuses TP collectives into compiled matmuls: also set compile=True")
         self.tp_options = TensorParallelOptions(sequence_parallel, loss_parallel, async_tp)
+        self.pp_options = PipelineOptions(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points,
+                                          pp_edge_cost)
         self.transforms = TransformRegistry()
         """Model transforms by stage; callbacks register theirs in their ``setup`` hook."""
         self.parallelized_steps: list[str] = []
@@ -221,6 +230,8 @@ class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
         if dims.tp_enabled and module is not None and not callable(getattr(module, "parallel_plan", None)):
             raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan: define {type(module).__name__}."
                              f"parallel_plan() returning a ParallelPlan with tp_block_plan / tp_root_plan, or set tp=1")
+        if dims.pp_enabled and module is not None:
+            self._validate_pipeline_early(module, config)
         seq_len = getattr(getattr(getattr(module, "_trainer", None), "datamodule", None), "seq_len", None)
         if dims.tp_enabled and self.tp_options.sequence_parallel and isinstance(seq_len, int) and seq_len % dims.tp:
             raise ValueError(f"sequence parallel splits each sequence across tp={dims.tp} ranks, but the data "
@@ -282,6 +293,8 @@ class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._install_grad_clipping()
+        if self._pipeline is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._guard_zero_grad()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -299,6 +312,15 @@ class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
         if self_sharded:
             rank_zero_info(f"{type(module).__name__} is already sharded (fully_shard / parallelize_module in "
                            f"configure_model): {type(self).__name__} keeps that and skips its own FSDP stage")
+        pipeline = None
+        if dims.pp_enabled:
+            if self_sharded:
+                raise ValueError(f"{type(module).__name__} sharded itself in configure_model; pp > 1 must split it "
+                                 f"first: leave the sharding to {type(self).__name__}, or set pp=1")
+            # Before weights are materialised or broadcast: each rank keeps (and initialises) only
+            # its stages, so no rank ever holds the whole model.
+            summary = self._split_pipeline(module)
+            pipeline = PipelineSettings(stages=self.pipeline_stage_modules, summary=summary)
         on_meta = has_meta_tensors(module)
         # DTensor's RNG can initialise a sharded tensor as the shard of one full random tensor only
         # on CUDA-like meshes; elsewhere the model is materialised whole first, then sharded.
@@ -314,9 +336,12 @@ class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
         # optimizers' foreach kernels need (TP alone leaves some parameters plain).
         fsdp = None if self_sharded else FSDPSettings(
             mesh=dims.get_mesh("fsdp"), mp_policy=self.mp_policy or mp_policy_for_precision(ctx.precision),
-            reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload)
+            # Under pp the schedule runs many micro-batches' forwards before their backwards: the
+            # parameters stay gathered from forward to backward (torchtitan does the same).
+            reshard_after_forward=False if pipeline else self.reshard_after_forward, cpu_offload=self.cpu_offload)
         tp = TPSettings(dims.get_mesh("tp"), self.tp_options) if dims.tp_enabled and not self_sharded else None
-        done = parallelize(module, ctx, self.transforms, compile_options=self.compile_options, tp=tp, fsdp=fsdp)
+        done = parallelize(module, ctx, self.transforms, compile_options=self.compile_options, tp=tp, fsdp=fsdp,
+                           pipeline=pipeline)
         self.parallelized_steps = done.steps
         self._root_is_lightning_module = (done.fsdp_root is module if done.fsdp_root is not None
                                           else isinstance(module, FSDPModule))
@@ -356,8 +381,14 @@ class _NDParallelBase(StepMixin, CollectivesMixin, ParallelStrategy):
         # Like DDP: rank 0's initial weights win. Unseeded ranks would otherwise build different
         # models, and HSDP replicas (or TP ranks) would train different weights without noticing.
         # NCCL carries only device tensors, and a module built in __init__ is still on the host.
-        if _distributed_is_initialized() and self.world_size > 1:
-            broadcast_module_(module, src=0, device=collective_device(dist.get_backend(), self.root_device))
+        if not (_distributed_is_initialized() and self.world_size > 1):
+            return
+        device = collective_device(dist.get_backend(), self.root_device)
+        if self.parallel_dims.pp_enabled:  # each stage from the first rank holding it
+            group = self.parallel_dims.get_mesh("stage").get_group()
+            broadcast_module_(module, src=dist.get_global_rank(group, 0), group=group, device=device)
+        else:
+            broadcast_module_(module, src=0, device=device)
 
     @override
     def model_to_device(self) -> None:
@@ -385,7 +416,7 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
 
     Args:
         dp_replicate, dp_shard, tp, pp, ep, cp: degrees (see ``ParallelDims``); ``dp_shard=-1``
-            takes whatever the world size leaves. pp/ep/cp > 1 are not supported yet.
+            takes whatever the world size leaves. ep/cp > 1 are not supported yet.
         reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (parameters stay gathered from forward
             to backward); int: reshard to groups of that many ranks.
         mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision
@@ -397,6 +428,8 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
             ``_materialize``). Default False builds real weights, identical to a single-process
             run with the same seed.
         sequence_parallel, loss_parallel, async_tp: with tp > 1 (``parallel.tensor.TensorParallelOptions``).
+        pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_edge_cost: with pp > 1
+            (``parallel.pipeline.PipelineOptions``; the step contract in ``strategies/pipeline_steps.py``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for every Lightning ``ParallelStrategy`` (normally filled in by the Trainer).
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.

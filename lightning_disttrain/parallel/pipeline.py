@@ -1,0 +1,338 @@
+"""Pipeline parallel: split a model's blocks into stages, keep each rank's stages, run
+``torch.distributed.pipelining``'s schedules. Plain torch, no Lightning.
+
+How a model is split (``PipelinePlan``): its blocks, an ``nn.ModuleDict`` keyed by layer index,
+are cut into contiguous ranges, one per stage; the first stage also holds the modules named in
+``plan.first`` (the embeddings), the last those in ``plan.last`` (final norm, head). Each rank
+deletes every block and edge module it does not hold from the model *in place*, so the model that
+stays (and the LightningModule around it) names its parameters exactly as the unsplit model does:
+``blocks.5.attn.wq.weight`` is that on whichever rank holds block 5. That is what lets a DCP
+checkpoint move between pp=1, 2 and 4, and ``export`` write one state dict whatever the layout.
+
+A rank holding several stages (looped schedules: stages r, r + pp, ...; V-shaped: r and
+2·pp - 1 - r) runs each through a *view*: a module of the model's class that shares the kept
+model's submodules but lists only that stage's blocks and edges, so the model's own ``forward``
+runs one stage. With one stage per rank the kept model itself is the stage.
+
+The stage's ``forward`` contract: without its first-stage modules it takes the previous stage's
+output (hidden states) instead of the model input; without its last-stage modules it returns its
+hidden states. ``GPT.forward`` is written that way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+SINGLE_STAGE = ("GPipe", "1F1B")
+"""Schedules with one stage per rank."""
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+"""Several stages per rank, assigned round-robin: rank r holds stages r, r + pp, r + 2·pp, ..."""
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+"""Two stages per rank in a V: rank r holds stages r and 2·pp - 1 - r."""
+SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+
+
+def schedule_name(name: str) -> str:
+    """The canonical spelling of a schedule name (case-insensitive), or a ValueError listing them."""
+    for known in SCHEDULES:
+        if known.lower() == str(name).lower():
+            return known
+    raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+@dataclass
+class PipelinePlan:
+    """What a model tells the pipeline split (a field of ``ParallelPlan``)."""
+
+    module: nn.Module
+    """The module that is split: its blocks (``ParallelPlan.blocks``, an ``nn.ModuleDict``) are a
+    direct child, and its ``forward`` runs any stage (see the module docstring)."""
+    first: tuple[str, ...] = ()
+    """Names of ``module``'s children only the first stage holds (token / position embeddings)."""
+    last: tuple[str, ...] = ()
+    """Names of ``module``'s children only the last stage holds (final norm, head)."""
+
+
+@dataclass
+class PipelineOptions:
+    """How the pipeline runs. Validated on construction (names, stages per rank) and by
+    ``validate`` against the pipeline degree, the model's blocks and the batch size."""
+
+    schedule: str = "1F1B"
+    """One of ``SCHEDULES`` (case-insensitive), the schedules ``torch.distributed.pipelining`` ships."""
+    microbatches: int | None = None
+    """Micro-batches per batch; None: as many as there are stages (the fewest that fill the pipeline;
+    more shrink the bubble, (p - 1) / (m + p - 1) for GPipe / 1F1B)."""
+    stages_per_rank: int | None = None
+    """None: 1 for GPipe / 1F1B, 2 for the looped and V-shaped schedules (V-shaped: exactly 2)."""
+    split_points: list[int] | None = None
+    """Index of the first block of every stage but the first (e.g. ``[3]`` for 2 stages: blocks
+    0-2 | 3-...). None: balanced by cost (see ``edge_cost``)."""
+    edge_cost: float = 0.0
+    """How many blocks the first stage's embeddings and the last stage's head each cost when
+    balancing: at GPT-2's vocabulary the head's matmul and the loss cost about a block, so 1.0
+    gives the first and last stages one block fewer. 0: balanced by block count."""
+
+    def __post_init__(self) -> None:
+        self.schedule = schedule_name(self.schedule)
+        spr = self.stages_per_rank
+        if spr is not None and (not isinstance(spr, int) or spr < 1):
+            raise ValueError(f"pp_stages_per_rank={spr!r} must be a positive int")
+        if self.schedule in SINGLE_STAGE and spr not in (None, 1):
+            raise ValueError(f"pp_schedule={self.schedule!r} runs one stage per rank, but pp_stages_per_rank={spr}; "
+                             f"use a looped schedule ({', '.join(LOOPED)}) for several, or pp_stages_per_rank=1")
+        if self.schedule in LOOPED and spr == 1:
+            raise ValueError(f"pp_schedule={self.schedule!r} interleaves several stages per rank, but "
+                             f"pp_stages_per_rank=1; use pp_stages_per_rank>=2, or a single-stage schedule "
+                             f"({', '.join(SINGLE_STAGE)})")
+        if self.schedule in V_SHAPED and spr not in (None, 2):
+            raise ValueError(f"pp_schedule={self.schedule!r} places exactly 2 stages per rank (a V); "
+                             f"pp_stages_per_rank={spr}: use 2 (or leave it unset)")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ValueError(f"pp_microbatches={self.microbatches!r} must be a positive int")
+        if self.edge_cost < 0:
+            raise ValueError(f"pp_edge_cost={self.edge_cost} must be >= 0 (blocks an embedding or head costs)")
+
+    @property
+    def stages_per_rank_(self) -> int:
+        return self.stages_per_rank or (1 if self.schedule in SINGLE_STAGE else 2)
+
+    def num_stages(self, pp: int) -> int:
+        return pp * self.stages_per_rank_
+
+    def num_microbatches(self, pp: int) -> int:
+        return self.microbatches or self.num_stages(pp)
+
+    def validate(self, pp: int, n_blocks: int | None = None, batch_size: int | None = None) -> None:
+        """Everything that would otherwise hang or fail inside a schedule, as a ValueError naming the fix."""
+        stages, m = self.num_stages(pp), self.num_microbatches(pp)
+        if m < stages and self.schedule != "GPipe":
+            # torchtitan's #775: fewer micro-batches than stages hangs some schedules.
+            raise ValueError(f"pp_microbatches={m} is fewer than the {stages} pipeline stages (pp={pp} x "
+                             f"{self.stages_per_rank_} per rank); use pp_microbatches>={stages}")
+        if self.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % pp:
+            raise ValueError(f"pp_schedule={self.schedule!r} runs micro-batches in rounds of pp={pp}; "
+                             f"pp_microbatches={m} is not a multiple of {pp}: use {m + (-m) % pp}")
+        if n_blocks is not None:
+            if stages > n_blocks:
+                raise ValueError(f"{stages} pipeline stages (pp={pp} x {self.stages_per_rank_} per rank) but the "
+                                 f"model has {n_blocks} blocks; every stage needs at least one: lower pp or "
+                                 f"pp_stages_per_rank")
+            split_blocks(n_blocks, stages, self.split_points, self.edge_cost)
+        if batch_size is not None and batch_size % m:
+            raise ValueError(f"the batch of {batch_size} samples does not split into pp_microbatches={m}; use a "
+                             f"batch size divisible by {m} (e.g. {batch_size + (-batch_size) % m}) or another "
+                             f"pp_microbatches")
+
+
+def split_blocks(n_blocks: int, n_stages: int, split_points: Sequence[int] | None = None,
+                 edge_cost: float = 0.0) -> list[range]:
+    """The block range of each stage. Explicit ``split_points`` are checked; otherwise the split
+    minimises the most expensive stage, a block costing 1 and the first and last stages
+    ``edge_cost`` more (ties: earlier stages take more blocks)."""
+    if split_points is not None:
+        points = list(split_points)
+        bounds = [0, *points, n_blocks]
+        if len(points) != n_stages - 1 or any(b >= e for b, e in zip(bounds, bounds[1:])):
+            raise ValueError(f"pp_split_points={points} must be {n_stages - 1} increasing block indices in "
+                             f"1..{n_blocks - 1} (the first block of stages 1..{n_stages - 1}), every stage "
+                             f"keeping at least one of the {n_blocks} blocks")
+        return [range(b, e) for b, e in zip(bounds, bounds[1:])]
+    if n_stages > n_blocks:
+        raise ValueError(f"{n_stages} stages for {n_blocks} blocks: every stage needs at least one block")
+
+    def cost(stage: int, n: int) -> float:
+        return n + edge_cost * ((stage == 0) + (stage == n_stages - 1))
+
+    # best[s][i]: the smallest possible maximum stage cost for stages s.. given blocks i.. remain.
+    inf = float("inf")
+    best = [[inf] * (n_blocks + 1) for _ in range(n_stages + 1)]
+    take = [[0] * (n_blocks + 1) for _ in range(n_stages + 1)]
+    best[n_stages][n_blocks] = 0.0
+    for s in range(n_stages - 1, -1, -1):
+        for i in range(n_blocks):
+            for n in range(n_blocks - i - (n_stages - s - 1), 0, -1):  # leave a block per later stage
+                value = max(cost(s, n), best[s + 1][i + n])
+                if value < best[s][i] - 1e-9:
+                    best[s][i], take[s][i] = value, n
+    ranges, i = [], 0
+    for s in range(n_stages):
+        ranges.append(range(i, i + take[s][i]))
+        i += take[s][i]
+    return ranges
+
+
+def stage_ids(pp_rank: int, pp: int, options: PipelineOptions) -> list[int]:
+    """The stages rank ``pp_rank`` of the pipeline holds, in execution order."""
+    spr = options.stages_per_rank_
+    if options.schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(spr)]
+
+
+def stage_to_rank(stage: int, pp: int, options: PipelineOptions) -> int:
+    if options.schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def blocks_attribute(module: nn.Module, blocks: nn.Module) -> str:
+    """The name under which ``blocks`` is a direct child of ``module``."""
+    for name, child in module.named_children():
+        if child is blocks:
+            return name
+    raise ValueError(f"pipeline parallel needs the blocks to be a direct child of {type(module).__name__} "
+                     f"(PipelinePlan.module); move them there or point PipelinePlan.module at their parent")
+
+
+def _view(model: nn.Module, blocks_name: str, keys: list[str], first: bool, last: bool,
+          plan: PipelinePlan) -> nn.Module:
+    """A module of ``model``'s class sharing its submodules, with only these blocks and edges."""
+    cls = type(model)
+    view = cls.__new__(cls)
+    nn.Module.__init__(view)  # its own hooks: FSDP's root hooks on one view stay off the others
+    for k, v in model.__dict__.items():
+        view.__dict__.setdefault(k, v)  # plain attributes (config, flags)
+    view._modules = dict(model._modules)
+    view._parameters = dict(model._parameters)
+    view._buffers = dict(model._buffers)
+    view._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+    blocks = model._modules[blocks_name]
+    sub = type(blocks).__new__(type(blocks))
+    nn.Module.__init__(sub)
+    sub._modules = {k: blocks._modules[k] for k in keys}
+    view._modules[blocks_name] = sub
+    for name in () if first else plan.first:
+        view._modules[name] = None
+    for name in () if last else plan.last:
+        view._modules[name] = None
+    return view
+
+
+def split_model(plan: PipelinePlan, blocks: nn.Module, ranges: list[range], local: list[int]) -> list[nn.Module]:
+    """Delete from ``plan.module``, in place, every block and edge module no local stage holds;
+    return one module per local stage (the model itself when there is one)."""
+    model = plan.module
+    if not isinstance(blocks, nn.ModuleDict):
+        raise ValueError(f"pipeline parallel needs the blocks in an nn.ModuleDict keyed by layer index (names then "
+                         f"survive the split), not {type(blocks).__name__}; build them as "
+                         f"nn.ModuleDict({{str(i): Block(...) for i in range(n_layer)}}) and iterate .values()")
+    name = blocks_attribute(model, blocks)
+    for attr in (*plan.first, *plan.last):
+        if attr not in model._modules:
+            raise ValueError(f"PipelinePlan names {attr!r}, which is not a child module of {type(model).__name__}")
+    keys = list(blocks.keys())
+    object.__setattr__(blocks, "_ldt_all_keys", keys)  # the unsplit model's layers (float8's edge blocks)
+    n_stages = len(ranges)
+    kept = {keys[i] for s in local for i in ranges[s]}
+    for key in keys:
+        if key not in kept:
+            del blocks[key]
+    for attr in () if 0 in local else plan.first:
+        setattr(model, attr, None)
+    for attr in () if n_stages - 1 in local else plan.last:
+        setattr(model, attr, None)
+    if len(local) == 1:
+        return [model]
+    return [_view(model, name, [keys[i] for i in ranges[s]], s == 0, s == n_stages - 1, plan) for s in local]
+
+
+class PipelineRunner:
+    """This rank's stages and the schedules that run them.
+
+    Each (training or evaluation, micro-batch shape) gets its own ``PipelineStage`` objects and
+    schedule, built at first use: the stages infer the shapes they send from their first
+    micro-batch (under a forked RNG), and evaluation must not re-infer the training stages'.
+    Losses come from ``loss_fn(output, target)`` on the last stage; gradients are not rescaled by
+    the schedule (``scale_grads=False``): ``loss_fn`` returns what to differentiate.
+    """
+
+    def __init__(self, modules: list[nn.Module], ids: list[int], num_stages: int, options: PipelineOptions,
+                 pp: int, group, device: torch.device):
+        self.modules, self.ids, self.num_stages = modules, ids, num_stages
+        self.options, self.pp, self.group, self.device = options, pp, group, device
+        self.microbatches = options.num_microbatches(pp)
+        self.has_first = 0 in ids
+        self.has_last = num_stages - 1 in ids
+        self.last_rank = stage_to_rank(num_stages - 1, pp, options)
+        """Rank in the pipeline group that holds the last stage (the losses)."""
+        self._schedules: dict[tuple, Any] = {}
+        self._loss_fn: Callable | None = None
+
+    def _call_loss(self, output, target):
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target)
+
+    def schedule(self, train: bool, microbatch_shape: tuple[int, ...]):
+        key = (train, microbatch_shape)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+            from torch.distributed.pipelining.schedules import get_schedule_class
+
+            stages = [PipelineStage(m, i, self.num_stages, self.device, group=self.group)
+                      for m, i in zip(self.modules, self.ids)]
+            if self.options.schedule in SINGLE_STAGE:
+                cls = get_schedule_class(self.options.schedule)
+                schedule = cls(stages[0], n_microbatches=self.microbatches, loss_fn=self._call_loss,
+                               scale_grads=False)
+            elif train:
+                cls = get_schedule_class(self.options.schedule)
+                schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._call_loss, scale_grads=False)
+            else:
+                schedule = self._forward_only(stages)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def _forward_only(self, stages):
+        """Evaluation for several stages per rank: every micro-batch through each local stage in
+        order, as a compute-only action list that torch's schedule runtime lowers to sends and
+        receives. (The zero-bubble and V schedules' own forward-only mode still steals backward
+        inputs and fails in torch 2.13.)"""
+        from torch.distributed.pipelining.schedules import (
+            PipelineScheduleMulti,
+            _Action,
+            _ComputationType,
+            _PipelineScheduleRuntime,
+        )
+
+        mapping = {s: stage_to_rank(s, self.pp, self.options) for s in range(self.num_stages)}
+
+        class KnownMapping(PipelineScheduleMulti):
+            # torch's check wants every micro-batch to run backward too; here none does. The
+            # runtime reaches this through super(), hence a class between it and PipelineScheduleMulti.
+            def _validate_and_set_stage_mapping(self, actions) -> None:
+                self.stage_index_to_group_rank = mapping
+                for stage in self._stages:
+                    stage.stage_index_to_group_rank = mapping
+
+        class ForwardOnly(_PipelineScheduleRuntime, KnownMapping):
+            pass
+
+        schedule = ForwardOnly(stages, n_microbatches=self.microbatches, loss_fn=self._call_loss, scale_grads=False)
+        forward = _ComputationType.FORWARD
+        actions = {r: [_Action(s, forward, mb) for s in stage_ids(r, self.pp, self.options)
+                       for mb in range(self.microbatches)] for r in range(self.pp)}
+        schedule._prepare_schedule_with_comms(actions, format="compute_only")
+        return schedule
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, train: bool) -> None:
+        """One batch through the pipeline: forward and backward of every micro-batch (``train``) or
+        forward only. Every rank of the pipeline group calls it with the same batch."""
+        m = self.microbatches
+        if inputs.size(0) % m:
+            raise ValueError(f"the batch of {inputs.size(0)} samples does not split into pp_microbatches={m}; use a "
+                             f"batch size divisible by {m}")
+        self._loss_fn = loss_fn
+        schedule = self.schedule(train, (inputs.size(0) // m, *inputs.shape[1:]))
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": targets} if self.has_last else {}
+        if train:
+            schedule.step(*args, return_outputs=False, **kwargs)
+        else:
+            schedule.eval(*args, return_outputs=False, **kwargs)
+        self._loss_fn = None

@@ -1,0 +1,132 @@
+"""Pipeline-parallel training runs through ``L.Trainer``; one process per rank.
+
+    python pp_worker.py OUT_DIR DEVICES RUN [RUN ...]
+
+Every rank of a pipeline reads the same batches (the sampler counts data-parallel ranks only).
+Each rank writes ``OUT_DIR/RUN.rankR.json``: the per-step losses it logged (the mean over the
+step's micro-batches, sent from the last stage), the validation loss, the sum of every parameter
+it holds after training (by FQN, whole) and what the strategy did. Importable: the test runs the
+one-process baseline with ``fit_run(RUN, 1)``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dist_utils import write_rank_json  # noqa: E402
+from lightning_disttrain.module import GPTModule  # noqa: E402
+from lightning_disttrain.strategies import NDParallelStrategy  # noqa: E402
+
+GLOBAL_BATCH = 8
+STEPS = 8
+SEQ = 16
+VOCAB = 64
+CLIP = float(__import__("os").environ.get("PP_CLIP", "0.3")) or None
+MODEL = dict(n_layer=4, n_embd=32, n_head=2, n_kv_head=2, mlp_hidden=64, block_size=SEQ, tie_embeddings=False)
+
+RUNS: dict[str, tuple[dict, int]] = {
+    # name: (NDParallelStrategy kwargs, accumulate_grad_batches)
+    "single": ({}, 1),
+    "single_accum": ({}, 2),
+    "pp2_gpipe": (dict(pp=2, pp_schedule="GPipe", pp_microbatches=2), 1),
+    "pp2_1f1b": (dict(pp=2, pp_schedule="1F1B", pp_microbatches=4), 1),
+    "pp2_interleaved": (dict(pp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4), 1),
+    "pp2_zbv": (dict(pp=2, pp_schedule="ZBVZeroBubble", pp_microbatches=4), 1),
+    "pp2_accum": (dict(pp=2, pp_schedule="1F1B", pp_microbatches=2), 2),
+    "pp2_fsdp2": (dict(pp=2, dp_shard=2, pp_schedule="1F1B", pp_microbatches=2), 1),
+    "pp2_tp2": (dict(pp=2, tp=2, pp_schedule="1F1B", pp_microbatches=2), 1),
+    "pp2_fsdp2_tp2": (dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4), 1),
+}
+BASELINE = {name: ("single_accum" if accumulate == 2 else "single") for name, (_, accumulate) in RUNS.items()}
+
+
+def dataset(n: int = STEPS * GLOBAL_BATCH) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+class PPGPT(GPTModule):
+    def __init__(self) -> None:
+        super().__init__("tiny", vocab_size=VOCAB, model_overrides=MODEL, lr=3e-3, weight_decay=0.1,
+                         schedule="constant", warmup_steps=0)
+        self.logged: list[float] = []
+        self.micro_batch = GLOBAL_BATCH
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.logged.append(float(loss.detach()))
+        return loss
+
+    def pipeline_training_step(self, batch, batch_idx, loss):
+        out = super().pipeline_training_step(batch, batch_idx, loss)
+        self.logged.append(float(loss))
+        return out
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        if self.trainer.global_step == 0:  # the first step's gradients, whole, by FQN
+            self.first_grads = {n: float((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).double()
+                                         .norm()) for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def _loader(self, ds):
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
+        sampler = DistributedSampler(ds, shuffle=False, **kwargs) if kwargs else None
+        return DataLoader(ds, batch_size=self.micro_batch, sampler=sampler, shuffle=False)
+
+    def train_dataloader(self):
+        return self._loader(dataset())
+
+
+def param_sums(module: torch.nn.Module) -> dict[str, float]:
+    return {n: float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().sum())
+            for n, p in module.named_parameters()}
+
+
+def fit_run(run: str, devices: int) -> dict:
+    kwargs, accumulate = RUNS[run]
+    dims = kwargs.get("dp_shard", 1)
+    L.seed_everything(0)
+    model = PPGPT()
+    model.micro_batch = GLOBAL_BATCH // (dims * accumulate)
+    strategy = NDParallelStrategy(**kwargs) if devices > 1 else "auto"
+    trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS,
+                        accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0)
+    trainer.fit(model)
+    val_set = TensorDataset(*(t[: 2 * GLOBAL_BATCH] for t in dataset().tensors))
+    val = trainer.validate(model, dataloaders=model._loader(val_set), verbose=False)
+    logged = torch.tensor(model.logged, dtype=torch.float64)
+    if devices > 1:  # the logged loss is each data-parallel rank's: average them as self.log(sync_dist) does
+        dp = trainer.strategy.parallel_dims.get_mesh("dp")
+        dist.all_reduce(logged, group=dp.get_group())
+        logged /= dp.size()
+    losses = logged.view(-1, accumulate).mean(dim=1).tolist()
+    result = {"losses": losses, "val_loss": val[0]["val/loss"], "params": param_sums(model.model),
+              "first_grads": model.first_grads,
+              "steps": trainer.global_step}
+    if devices > 1:
+        result["parallelized_steps"] = trainer.strategy.parallelized_steps
+        result["sampler"] = trainer.strategy.distributed_sampler_kwargs
+    result["generated"] = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, temperature=0).tolist()
+    return result
+
+
+def main() -> None:
+    out_dir, devices, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    for run in runs:
+        result = fit_run(run, devices)
+        write_rank_json(out_dir, run, dist.get_rank() if dist.is_initialized() else 0, result)
+
+
+if __name__ == "__main__":
+    main()
