@@ -81,8 +81,9 @@ def test_stage_layouts(ranks):
 def test_balanced_splits_and_lighter_edges():
     assert split_blocks(4, 2) == [range(0, 2), range(2, 4)]
     assert split_blocks(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
-    # the embedding and the head each cost a block: the first and last stages take one fewer
-    assert [len(r) for r in split_blocks(12, 4, edge_cost=1.0)] == [2, 4, 4, 2]
+    # the embedding and the head each cost a block: no stage costs more than 4 (3 blocks + the
+    # embedding, 4 blocks, ..., 2 blocks + the head); without the cost it would be 3 + 1 + 1 = 5
+    assert [len(r) for r in split_blocks(12, 4, edge_cost=1.0)] == [3, 4, 3, 2]
     assert split_blocks(6, 2, split_points=[4]) == [range(0, 4), range(4, 6)]
     with pytest.raises(ValueError, match=r"pp_split_points=\[4, 2\] must be 2 increasing block indices"):
         split_blocks(6, 3, split_points=[4, 2])
