@@ -52,18 +52,20 @@ import itertools
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from bench_common import HERE, MIB, dataset, load1, local_bytes, phase_probe, trainer
+from bench_common import RANK as _RANK
+from bench_common import WORLD as _WORLD
+from bench_common import launch as _launch
+from bench_common import level_at as _at
+from bench_common import spread as _spread
+from bench_common import step_peak as _peak
+
 OUT = HERE / "out"
-REPO = HERE.parent
-MIB = 2**20
 HAND = "hand-written FSDP2 loop"
 
 # ---------------------------------------------------------------------------------------------
@@ -72,27 +74,7 @@ HAND = "hand-written FSDP2 loop"
 
 def launch(nprocs: int, tag: str, worker_args: list[str], extra_env: dict[str, str] | None = None,
            timeout: float = 1200) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = []
-    for rank in range(nprocs):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), NODE_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]),
-                   **(extra_env or {}))
-        log = open(OUT / f"worker_{tag}_rank{rank}.log", "w")  # noqa: SIM115 (closed after the wait below)
-        procs.append((subprocess.Popen([sys.executable, __file__, *worker_args, "--nprocs", str(nprocs)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    for proc, log in procs:
-        rc = proc.wait(timeout=timeout)
-        log.close()
-        if rc != 0:
-            raise SystemExit(f"worker failed (exit {rc}); see {log.name}")
-
-
-def load1() -> float:
-    return os.getloadavg()[0]
+    _launch(__file__, OUT, nprocs, tag, worker_args, extra_env, timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,36 +94,9 @@ def _imports():
     from lightning_disttrain.strategies import FSDP2Strategy
 
 
-_WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # read at import: Lightning's teardown deletes it
-_RANK = int(os.environ.get("RANK", "0"))
-
-
-def dataset(args, n_samples: int):
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (n_samples, args.seq + 1), generator=g)
-    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-
-
 def gpt_module(args):
     """``GPTModule`` as a user builds it (defaults: AdamW lr 6e-4, wd 0.1, cosine schedule)."""
     return GPTModule(args.preset, vocab_size=args.vocab, model_overrides={"block_size": args.seq})
-
-
-def trainer(strategy, max_steps, callbacks, accelerator="cpu", logger=False):
-    return L.Trainer(strategy=strategy, devices=_WORLD, accelerator=accelerator, max_steps=max_steps,
-                     gradient_clip_val=1.0, logger=logger, log_every_n_steps=10, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=0, callbacks=callbacks)
-
-
-def local_bytes(tensors) -> int:
-    """Known-tensor sum (for comparison only): bytes of the local shards of ``tensors``."""
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if isinstance(t, DTensor) else t
-            total += t.numel() * t.element_size()
-    return total
 
 
 def shard_like_ours(model, mesh, fully_shard) -> None:
@@ -172,37 +127,9 @@ def memory_worker(args) -> None:
     loader = DataLoader(ds, batch_size=args.batch, shuffle=False)  # Lightning adds the DistributedSampler
     meter = METERS[args.meter]()
 
-    class Probe(L.Callback):
-        """Three windows per step, in Lightning's hook order: forward (batch start -> before
-        backward; the previous step's gradients are held through it, Lightning's zero_grad frees
-        them just before ``on_before_backward``), backward (-> after backward), optimizer (->
-        batch end: clipping, AdamW step, logging). The step's peak is the largest of the three;
-        the marks between them are the levels after forward / backward / the step."""
-
-        def __init__(self):
-            self.i = None
-
-        def on_train_start(self, trainer, module):
-            meter.mark("setup")
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            self.i = batch_idx
-            meter.begin_window(f"step{batch_idx}.fwd")
-
-        def on_before_backward(self, trainer, module, loss):
-            meter.end_window(f"step{self.i}.fwd")
-            meter.begin_window(f"step{self.i}.bwd")
-
-        def on_after_backward(self, trainer, module):
-            meter.end_window(f"step{self.i}.bwd")
-            meter.begin_window(f"step{self.i}.opt")
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            meter.end_window(f"step{batch_idx}.opt")
-
     L.seed_everything(0)
     module = gpt_module(args)
-    probe = Probe()
+    probe = phase_probe(meter)
     strategy = FSDP2Strategy(reshard_after_forward=args.stage == "zero3")
     fit = trainer(strategy, args.mem_steps, [probe], accelerator="gpu" if cuda else "cpu")
     meter.start()
@@ -247,18 +174,6 @@ def collective_check(meter_cls, device: str, mib: int = 8) -> dict[str, float]:
 
 def _mem(meter: str, n: int, stage: str, rank: int = 0) -> dict:
     return json.loads((OUT / f"memory_{meter}_{n}_{stage}_rank{rank}.json").read_text())
-
-
-PHASES = ("fwd", "bwd", "opt")
-
-
-def _at(r: dict, step: int, when: str, key: str = "levels") -> int:
-    """Level after ``when`` (fwd / bwd / opt = at rest) of ``step``."""
-    return r[key][f"step{step}.{when}:end"]
-
-
-def _peak(r: dict, step: int, key: str = "peaks") -> tuple[int, str]:
-    return max((r[key][f"step{step}.{ph}"], ph) for ph in PHASES)
 
 
 def report_memory(sizes, stages, meters) -> str:
@@ -441,10 +356,6 @@ def throughput_worker(args) -> None:
     if _RANK == 0:
         (OUT / "throughput.json").write_text(json.dumps(
             {"steps": steps, "rounds": rounds, "tokens_per_step": args.batch * args.seq * world, "args": vars(args)}))
-
-
-def _spread(xs) -> str:
-    return f"{min(xs):.3f} {statistics.median(xs):.3f} {max(xs):.3f}"
 
 
 def report_throughput() -> str:

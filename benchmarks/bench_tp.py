@@ -55,23 +55,22 @@ import itertools
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from bench_common import HERE, MIB, dataset, load1, local_bytes, phase_probe, trainer
+from bench_common import RANK as _RANK
+from bench_common import WORLD as _WORLD
+from bench_common import launch as _launch
+from bench_common import level_at as _at
+from bench_common import spread as _spread
+from bench_common import step_peak as _peak
+
 OUT = HERE / "out" / "tp"
-REPO = HERE.parent
-MIB = 2**20
 OURS = "ours: GPTModule + NDParallelStrategy(tp=2)"
 HAND = "hand-written parallelize_module + FSDP2 loop"
-
-_WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # read at import: Lightning's teardown deletes it
-_RANK = int(os.environ.get("RANK", "0"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,35 +79,7 @@ _RANK = int(os.environ.get("RANK", "0"))
 
 def launch(nprocs: int, tag: str, worker_args: list[str], extra_env: dict[str, str] | None = None,
            timeout: float = 900) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = []
-    for rank in range(nprocs):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), NODE_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]),
-                   **(extra_env or {}))
-        log = open(OUT / f"worker_{tag}_rank{rank}.log", "w")  # noqa: SIM115 (closed after the wait below)
-        procs.append((subprocess.Popen([sys.executable, __file__, *worker_args, "--nprocs", str(nprocs)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = None
-    for proc, log in procs:
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p, _ in procs:
-                p.kill()
-            rc = "timeout"
-        log.close()
-        if rc != 0 and failed is None:
-            failed = f"worker failed (exit {rc}); see {log.name}"
-    if failed:
-        raise SystemExit(failed)
-
-
-def load1() -> float:
-    return os.getloadavg()[0]
+    _launch(__file__, OUT, nprocs, tag, worker_args, extra_env, timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,19 +109,6 @@ def gpt_module(args):
     return GPTModule(args.preset, vocab_size=args.vocab, model_overrides=overrides(args))
 
 
-def dataset(args, n_samples: int):
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (n_samples, args.seq + 1), generator=g)
-    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-
-
-def trainer(strategy, max_steps, callbacks, logger=False):
-    return L.Trainer(strategy=strategy, devices=_WORLD, accelerator="cpu", max_steps=max_steps,
-                     gradient_clip_val=1.0, logger=logger, log_every_n_steps=10, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     limit_val_batches=0, callbacks=callbacks)
-
-
 def _local(t):
     """The tensor that owns the memory: a DTensor's local shard, a wrapper's (funcol's
     AsyncCollectiveTensor) inner tensor, or the tensor itself."""
@@ -162,16 +120,6 @@ def _local(t):
         else:
             break
     return t
-
-
-def local_bytes(tensors) -> int:
-    """Known-tensor sum (for comparison only): bytes of the local shards of ``tensors``."""
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if isinstance(t, DTensor) else t
-            total += t.numel() * t.element_size()
-    return total
 
 
 def computed_local_numel(config, t: int, sp: bool) -> dict[str, int]:
@@ -274,35 +222,10 @@ def memory_worker(args) -> None:
     loader = DataLoader(ds, batch_size=args.batch, shuffle=False)
     meter = ProcessMeter()
 
-    class Probe(L.Callback):
-        """As in bench_fsdp.py: forward (batch start -> before backward), backward (-> after
-        backward), optimizer (-> batch end: clipping, AdamW, logging) windows per step."""
-
-        def __init__(self):
-            self.i = None
-
-        def on_train_start(self, trainer, module):
-            meter.mark("setup")
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            self.i = batch_idx
-            meter.begin_window(f"step{batch_idx}.fwd")
-
-        def on_before_backward(self, trainer, module, loss):
-            meter.end_window(f"step{self.i}.fwd")
-            meter.begin_window(f"step{self.i}.bwd")
-
-        def on_after_backward(self, trainer, module):
-            meter.end_window(f"step{self.i}.bwd")
-            meter.begin_window(f"step{self.i}.opt")
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            meter.end_window(f"step{batch_idx}.opt")
-
     L.seed_everything(0)
     module = gpt_module(args)
     strategy = NDParallelStrategy(tp=args.tp, dp_shard=1, sequence_parallel=bool(args.sp), loss_parallel=True)
-    fit = trainer(strategy, args.mem_steps, [Probe()])
+    fit = trainer(strategy, args.mem_steps, [phase_probe(meter)])
     meter.start()
     fit.fit(module, loader)
     meter.stop()
@@ -387,19 +310,8 @@ def _mem(t: int, sp: bool, rank: int = 0) -> dict:
     return json.loads((OUT / f"memory_{t}_{'sp' if sp else 'nosp'}_rank{rank}.json").read_text())
 
 
-PHASES = ("fwd", "bwd", "opt")
-
-
-def _at(r: dict, step: int, when: str) -> int:
-    return r["levels"][f"step{step}.{when}:end"]
-
-
-def _peak(r: dict, step: int) -> tuple[int, str]:
-    return max((r["peaks"][f"step{step}.{ph}"], ph) for ph in PHASES)
-
-
 def formulas(sh: dict, t: int, sp: bool) -> dict[str, float]:
-    """Activation bytes per layer (see docs/benchmarks.md section 10 for the derivation).
+    """Activation bytes per layer: Megatron's formula and the same count for this model.
 
     megatron: Korthikanti et al. 2022, section 4.1 (16-bit activations, 1-byte dropout masks,
       softmax and its mask stored): sbh(34 + 5as/h); TP: sbh(10 + 24/t + 5as/(ht)); TP + SP: sbh/t(34 + 5as/h).
@@ -638,10 +550,6 @@ def throughput_worker(args) -> None:
         (OUT / "throughput.json").write_text(json.dumps(
             {"steps": steps, "losses": losses, "rounds": rounds, "tokens_per_step": args.tp_batch * args.seq,
              "args": vars(args)}))
-
-
-def _spread(xs) -> str:
-    return f"{min(xs):.3f} {statistics.median(xs):.3f} {max(xs):.3f}"
 
 
 def report_throughput() -> str:
