@@ -108,3 +108,28 @@ def read_ranks(out_dir: str | Path, name: str, world_size: int) -> list[dict]:
     missing = [str(p) for p in paths if not p.exists()]
     assert not missing, f"ranks wrote no result: {missing}"
     return [json.loads(p.read_text()) for p in paths]
+
+
+def in_this_process(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in the test process (a one-process baseline), keeping the
+    ``PL_GLOBAL_SEED`` that ``seed_everything`` sets from leaking into other tests."""
+    saved = os.environ.get("PL_GLOBAL_SEED")
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop("PL_GLOBAL_SEED", None)
+        else:
+            os.environ["PL_GLOBAL_SEED"] = saved
+
+
+def worker_main(fit_run) -> None:
+    """A training worker's entry: ``python WORKER.py OUT_DIR DEVICES RUN [RUN ...]`` runs
+    ``fit_run(RUN, DEVICES)`` for each RUN and writes its result as this rank's JSON."""
+    import torch.distributed as dist
+
+    out_dir, devices, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    for run in runs:
+        result = fit_run(run, devices)
+        write_rank_json(out_dir, run, dist.get_rank() if dist.is_initialized() else 0, result)
+

@@ -95,14 +95,15 @@ class SelectiveActivationCheckpointing(Callback):
         if self.config.policy == "none":
             self._applied = True
             return
-        blocks = as_block_list(find_blocks(module))
+        container = find_blocks(module)
+        blocks = as_block_list(container)
         if any(checkpoint_config_of(b) is not None for b in blocks):
             # A second fit() on the same module: it is checkpointed already.
             self._applied = True
             return
         c = self.config
         self.checkpointed = apply_activation_checkpointing(
-            blocks, policy=c.policy, every_k=c.every_k, recompute_matmuls=c.recompute_matmuls,
+            container, policy=c.policy, every_k=c.every_k, recompute_matmuls=c.recompute_matmuls,
             preserve_rng_state=c.preserve_rng_state)
         self._applied = True
         detail = f", every_k={c.every_k}" if c.policy == "block" else (

@@ -295,9 +295,12 @@ def apply_activation_checkpointing(
                                         preserve_rng_state=preserve_rng_state)
     if config.policy == "none":
         return []
+    # Each block's layer index in the whole model: a pipeline stage's ModuleDict holds some layers.
+    keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else None
+    layers = [getattr(blocks, "_ldt_all_keys", keys).index(k) for k in keys] if keys else range(len(blocks))
     blocks = as_block_list(blocks)  # a ModuleDict's blocks in insertion order
     if config.policy == "block":
-        chosen = [i for i in range(len(blocks)) if i % config.every_k == 0]
+        chosen = [i for i, layer in enumerate(layers) if layer % config.every_k == 0]
         per_block = ActivationCheckpointConfig(policy="full", preserve_rng_state=preserve_rng_state)
     else:
         chosen = list(range(len(blocks)))

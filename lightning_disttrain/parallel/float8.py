@@ -111,6 +111,8 @@ def _edge_block_prefixes(model: nn.Module) -> tuple[str, str]:
     for name, sub in model.named_modules():
         if sub is blocks:
             keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
+            # A pipeline stage holds some blocks: the model's edges are the unsplit model's first and last.
+            keys = getattr(blocks, "_ldt_all_keys", keys)
             dot = f"{name}." if name else ""
             return f"{dot}{keys[0]}.", f"{dot}{keys[-1]}."
     raise ValueError("the blocks returned by parallel_plan() are not a submodule of the model")

@@ -99,11 +99,12 @@ class PipelineOptions:
             raise ValueError(f"pp_edge_cost={self.edge_cost} must be >= 0 (blocks an embedding or head costs)")
 
     @property
-    def stages_per_rank_(self) -> int:
+    def local_stages(self) -> int:
+        """Stages each rank holds (``stages_per_rank`` resolved)."""
         return self.stages_per_rank or (1 if self.schedule in SINGLE_STAGE else 2)
 
     def num_stages(self, pp: int) -> int:
-        return pp * self.stages_per_rank_
+        return pp * self.local_stages
 
     def num_microbatches(self, pp: int) -> int:
         return self.microbatches or self.num_stages(pp)
@@ -114,13 +115,13 @@ class PipelineOptions:
         if m < stages and self.schedule != "GPipe":
             # torchtitan's #775: fewer micro-batches than stages hangs some schedules.
             raise ValueError(f"pp_microbatches={m} is fewer than the {stages} pipeline stages (pp={pp} x "
-                             f"{self.stages_per_rank_} per rank); use pp_microbatches>={stages}")
+                             f"{self.local_stages} per rank); use pp_microbatches>={stages}")
         if self.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % pp:
             raise ValueError(f"pp_schedule={self.schedule!r} runs micro-batches in rounds of pp={pp}; "
                              f"pp_microbatches={m} is not a multiple of {pp}: use {m + (-m) % pp}")
         if n_blocks is not None:
             if stages > n_blocks:
-                raise ValueError(f"{stages} pipeline stages (pp={pp} x {self.stages_per_rank_} per rank) but the "
+                raise ValueError(f"{stages} pipeline stages (pp={pp} x {self.local_stages} per rank) but the "
                                  f"model has {n_blocks} blocks; every stage needs at least one: lower pp or "
                                  f"pp_stages_per_rank")
             split_blocks(n_blocks, stages, self.split_points, self.edge_cost)
@@ -169,10 +170,9 @@ def split_blocks(n_blocks: int, n_stages: int, split_points: Sequence[int] | Non
 
 def stage_ids(pp_rank: int, pp: int, options: PipelineOptions) -> list[int]:
     """The stages rank ``pp_rank`` of the pipeline holds, in execution order."""
-    spr = options.stages_per_rank_
     if options.schedule in V_SHAPED:
         return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(spr)]
+    return [pp_rank + k * pp for k in range(options.local_stages)]
 
 
 def stage_to_rank(stage: int, pp: int, options: PipelineOptions) -> int:
@@ -227,7 +227,7 @@ def split_model(plan: PipelinePlan, blocks: nn.Module, ranges: list[range], loca
         if attr not in model._modules:
             raise ValueError(f"PipelinePlan names {attr!r}, which is not a child module of {type(model).__name__}")
     keys = list(blocks.keys())
-    object.__setattr__(blocks, "_ldt_all_keys", keys)  # the unsplit model's layers (float8's edge blocks)
+    object.__setattr__(blocks, "_ldt_all_keys", keys)  # the unsplit model's layers (float8's edge blocks, logs)
     n_stages = len(ranges)
     kept = {keys[i] for s in local for i in ranges[s]}
     for key in keys:

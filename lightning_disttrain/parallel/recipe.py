@@ -135,10 +135,9 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
 
 def stage_plan(plan: ParallelPlan, part: nn.Module) -> ParallelPlan:
     """``plan`` restricted to the blocks and FSDP groups of one pipeline stage."""
-    from lightning_disttrain.parallel.plan import find_blocks
+    from lightning_disttrain.parallel.pipeline import blocks_attribute
 
     mine = {id(m) for m in part.modules()}
-    blocks = find_blocks(part) if plan.pipeline is None else part.get_submodule(
-        next(n for n, c in plan.pipeline.module.named_children() if c is plan.blocks))
+    blocks = part.get_submodule(blocks_attribute(plan.pipeline.module, plan.blocks))
     groups = [g for g in plan.fsdp_groups if all(id(m) in mine for m in g)]
     return ParallelPlan(blocks=blocks, fsdp_groups=groups)

@@ -1,7 +1,7 @@
 """The collectives Lightning asks a strategy for (barrier, broadcast, reduce), over the right ranks.
 
 Reductions for logging and metrics run over the data-parallel ranks only (DESIGN.md): tensor-
-(and later pipeline-) parallel ranks of one replica hold the same batch, so a sum over every rank
+and pipeline-parallel ranks of one replica hold the same batch, so a sum over every rank
 would count it once per TP rank. ``self.log(..., sync_dist=True)`` and ``trainer.strategy.reduce``
 reduce over the ``dp`` mesh; torchmetrics states are synced over the same group
 (``dp_process_group``), which GPTModule passes to its metrics.

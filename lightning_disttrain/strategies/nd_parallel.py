@@ -1,5 +1,5 @@
-"""NDParallelStrategy: one Lightning strategy for every combination of FSDP2 / HSDP (and, as their
-issues land, TP / PP / EP / CP) over one named ``DeviceMesh``.
+"""NDParallelStrategy: one Lightning strategy for every combination of FSDP2 / HSDP, tensor and
+pipeline parallel (and, as their issues land, EP / CP) over one named ``DeviceMesh``.
 
 What runs when (Lightning 2.6, ``Trainer._run``), and what this strategy does at each point:
 
@@ -29,18 +29,14 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
@@ -56,15 +52,8 @@ from lightning_disttrain.parallel.fsdp import (
     already_parallelized,
     install_mesh_aware_clipping,
     mp_policy_for_precision,
-    offload_safe_to_device,
 )
-from lightning_disttrain.parallel.materialize import (
-    broadcast_module_,
-    collective_device,
-    dtensor_rng_supported,
-    has_meta_tensors,
-    materialize_,
-)
+from lightning_disttrain.parallel.materialize import dtensor_rng_supported, has_meta_tensors
 from lightning_disttrain.parallel.mesh import ParallelDims
 from lightning_disttrain.parallel.pipeline import PipelineOptions
 from lightning_disttrain.parallel.recipe import FSDPSettings, PipelineSettings, TPSettings, parallelize
@@ -72,14 +61,15 @@ from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_as
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
 from lightning_disttrain.strategies.collectives import CollectivesMixin
+from lightning_disttrain.strategies.initial_weights import InitialWeightsMixin
 from lightning_disttrain.strategies.pipeline_steps import PipelineStepMixin
 from lightning_disttrain.strategies.steps import StepMixin
 
-# Degrees whose transforms exist. The TP / PP / EP / CP issues add theirs here.
+# Degrees whose transforms exist. The EP / CP issues add theirs here.
 _SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 
 
-class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, ParallelStrategy):
+class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWeightsMixin, ParallelStrategy):
     """Everything of ``NDParallelStrategy`` but checkpointing. A base class rather than the class
     itself so that ``DCPCheckpointMixin`` sits above these methods in the MRO: its ``teardown``
     (which finishes an async save) reaches ours through ``super()`` instead of being hidden by it."""
@@ -359,41 +349,6 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, ParallelSt
         if self._recompile_watcher is not None and self.lightning_module is not None:
             self._recompile_watcher.check(step=self.lightning_module.trainer.global_step)
         super().on_train_batch_start(batch, batch_idx)
-
-    def _materialize(self, module: nn.Module) -> None:
-        """Allocate meta tensors and initialise them (``parallel.materialize.init_weights``: the
-        module's ``init_weights()``, else every submodule's initialiser, and a check that none
-        was left uninitialised).
-
-        Before sharding (CPU meshes) every rank initialises the full model from the same RNG state,
-        so with a seed the result equals a single-process meta build followed by ``init_weights``;
-        rank 0's weights are broadcast anyway so that replicas agree even without a seed. After
-        sharding (CUDA) each rank initialises its shards through DTensor's distributed RNG; with
-        CPU offload those shards are allocated on the host, where FSDP expects them.
-        """
-        sharded = any(isinstance(p, DTensor) for p in module.parameters())
-        device = torch.device("cpu") if (sharded and self.cpu_offload) else self.root_device
-        materialize_(module, device=device, buffer_device=self.root_device)
-        if not sharded:
-            self._sync_initial_weights(module)
-
-    def _sync_initial_weights(self, module: nn.Module) -> None:
-        # Like DDP: rank 0's initial weights win. Unseeded ranks would otherwise build different
-        # models, and HSDP replicas (or TP ranks) would train different weights without noticing.
-        # NCCL carries only device tensors, and a module built in __init__ is still on the host.
-        if not (_distributed_is_initialized() and self.world_size > 1):
-            return
-        device = collective_device(dist.get_backend(), self.root_device)
-        if self.parallel_dims.pp_enabled:  # each stage from the first rank holding it
-            group = self.parallel_dims.get_mesh("stage").get_group()
-            broadcast_module_(module, src=dist.get_global_rank(group, 0), group=group, device=device)
-        else:
-            broadcast_module_(module, src=0, device=device)
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        offload_safe_to_device(self.model, self.root_device, self.cpu_offload)
 
     def _install_grad_clipping(self) -> None:
         if self._precision_plugin is None:

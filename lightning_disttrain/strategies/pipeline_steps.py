@@ -41,6 +41,7 @@ from lightning_disttrain.parallel.pipeline import PipelineOptions, PipelineRunne
 from lightning_disttrain.parallel.plan import find_parallel_plan
 
 IGNORE = -100  # F.cross_entropy's ignore_index: padded evaluation rows
+SCALAR = ((), torch.float32)  # what a step's loss is on every rank
 
 
 class PipelineStepMixin:
@@ -99,11 +100,11 @@ class PipelineStepMixin:
         ranges = split_blocks(n_blocks, n_stages, options.split_points, options.edge_cost)
         pp_mesh = dims.get_mesh("pp")
         local = stage_ids(pp_mesh.get_local_rank(), dims.pp, options)
-        keys = list(plan.blocks.keys()) if isinstance(plan.blocks, nn.ModuleDict) else None
-        modules = split_model(plan.pipeline, plan.blocks, ranges, local)
+        modules = split_model(plan.pipeline, plan.blocks, ranges, local)  # checks the blocks are a ModuleDict
+        keys = plan.blocks._ldt_all_keys
         self._pipeline = PipelineRunner(modules, local, n_stages, options, dims.pp, pp_mesh.get_group(),
                                         self.root_device)
-        held = ", ".join(f"stage {s} (blocks {keys[ranges[s][0]]}-{keys[ranges[s][-1]]})" for s in local) if keys else ""
+        held = ", ".join(f"stage {s} (blocks {keys[ranges[s][0]]}-{keys[ranges[s][-1]]})" for s in local)
         return (f"pipeline: {options.schedule}, {n_stages} stages of {n_blocks} blocks "
                 f"{[len(r) for r in ranges]}, {self._pipeline.microbatches} micro-batches; this rank: {held}")
 
@@ -131,13 +132,16 @@ class PipelineStepMixin:
             return fn(batch)
         return batch[0], batch[1]
 
-    def _from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
-        """``value`` from the rank holding the last stage, on every rank of the pipeline."""
+    def _from_last_stage(self, value: torch.Tensor | None, meta: tuple | None = None) -> torch.Tensor:
+        """``value`` from the rank holding the last stage, on every rank of the pipeline.
+        ``meta`` = (shape, dtype) when the other ranks know it (a loss); else it is sent first."""
         runner = self._pipeline
         assert runner is not None
-        meta = [None if value is None else (tuple(value.shape), value.dtype)]
-        dist.broadcast_object_list(meta, group_src=runner.last_rank, group=runner.group)
-        shape, dtype = meta[0]
+        if meta is None:
+            box = [None if value is None else (tuple(value.shape), value.dtype)]
+            dist.broadcast_object_list(box, group_src=runner.last_rank, group=runner.group)
+            meta = box[0]
+        shape, dtype = meta
         out = value.contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self.root_device)
         dist.broadcast(out, group_src=runner.last_rank, group=runner.group)
         return out
@@ -162,7 +166,7 @@ class PipelineStepMixin:
             runner.run(inputs, targets, loss_fn, train=True)
         # The stages' first step also runs the loss once to infer shapes: the batch's are the last m.
         mean = torch.stack(losses[-runner.microbatches:]).mean().float() if runner.has_last else None
-        loss = self._from_last_stage(mean)
+        loss = self._from_last_stage(mean, SCALAR)
         hook = getattr(module, "pipeline_training_step", None)
         if callable(hook):
             return hook(batch, batch_idx, loss)
@@ -199,8 +203,8 @@ class PipelineStepMixin:
 
         with context():
             parts = self._pipeline_eval(inputs, targets, weighted)
-        mean = (sum(p[0] for p in parts) / sum(p[1] for p in parts)).reshape(()) if parts else None
-        loss = self._from_last_stage(mean)
+        mean = (sum(p[0] for p in parts) / sum(p[1] for p in parts)).reshape(()).float() if parts else None
+        loss = self._from_last_stage(mean, SCALAR)
         hook = getattr(module, hook_name, None)
         if callable(hook):
             return hook(batch, batch_idx, loss)

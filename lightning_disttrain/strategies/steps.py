@@ -7,7 +7,7 @@ itself is the root, its gradient sync switched off for accumulation, and its gat
 freed after forward-only evaluation. Loss parallel needs one context around the loss and its
 backward: Lightning runs them in two calls (``training_step``, then ``backward``), so the strategy
 enters ``loss_parallel()`` in both. Pipeline parallel, which runs forward and backward of every
-micro-batch in one schedule, will own the whole step here.
+micro-batch in one schedule, owns the whole step: ``pipeline_steps.PipelineStepMixin``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_disttrain.strategies  # noqa: E402,F401  (registers fsdp2 / fsdp2_zero2 / hsdp)
-from dist_utils import write_rank_json  # noqa: E402
+from dist_utils import worker_main  # noqa: E402
 from lightning_disttrain.module import GPTModule  # noqa: E402
 from lightning_disttrain.models.gpt import GPT  # noqa: E402
 from lightning_disttrain.parallel.plan import ParallelPlan  # noqa: E402
@@ -288,12 +288,5 @@ def fit_run(run: str, devices: int) -> dict:
     return result
 
 
-def main() -> None:
-    out_dir, devices, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    for run in runs:
-        result = fit_run(run, devices)
-        write_rank_json(out_dir, run, dist.get_rank() if dist.is_initialized() else 0, result)
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(fit_run)

@@ -18,18 +18,16 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_utils import write_rank_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fsdp2_worker as base  # noqa: E402
+from dist_utils import worker_main  # noqa: E402
+from fsdp2_worker import CLIP, GLOBAL_BATCH, SEQ, STEPS, VOCAB, dataset  # noqa: E402
 from lightning_disttrain.module import GPTModule  # noqa: E402
 from lightning_disttrain.strategies import NDParallelStrategy  # noqa: E402
 
-GLOBAL_BATCH = 8
-STEPS = 8
-SEQ = 16
-VOCAB = 64
-CLIP = float(__import__("os").environ.get("PP_CLIP", "0.3")) or None
 MODEL = dict(n_layer=4, n_embd=32, n_head=2, n_kv_head=2, mlp_hidden=64, block_size=SEQ, tie_embeddings=False)
 
 RUNS: dict[str, tuple[dict, int]] = {
@@ -46,12 +44,6 @@ RUNS: dict[str, tuple[dict, int]] = {
     "pp2_fsdp2_tp2": (dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4), 1),
 }
 BASELINE = {name: ("single_accum" if accumulate == 2 else "single") for name, (_, accumulate) in RUNS.items()}
-
-
-def dataset(n: int = STEPS * GLOBAL_BATCH) -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
-    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
 class PPGPT(GPTModule):
@@ -71,16 +63,7 @@ class PPGPT(GPTModule):
         self.logged.append(float(loss))
         return out
 
-    def on_before_optimizer_step(self, optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)
-        if self.trainer.global_step == 0:  # the first step's gradients, whole, by FQN
-            self.first_grads = {n: float((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).double()
-                                         .norm()) for n, p in self.model.named_parameters() if p.grad is not None}
-
-    def _loader(self, ds):
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
-        sampler = DistributedSampler(ds, shuffle=False, **kwargs) if kwargs else None
-        return DataLoader(ds, batch_size=self.micro_batch, sampler=sampler, shuffle=False)
+    _loader = base.RecordedGPT._loader  # the strategy's sampler arguments, no shuffling
 
     def train_dataloader(self):
         return self._loader(dataset())
@@ -112,7 +95,6 @@ def fit_run(run: str, devices: int) -> dict:
         logged /= dp.size()
     losses = logged.view(-1, accumulate).mean(dim=1).tolist()
     result = {"losses": losses, "val_loss": val[0]["val/loss"], "params": param_sums(model.model),
-              "first_grads": model.first_grads,
               "steps": trainer.global_step}
     if devices > 1:
         result["parallelized_steps"] = trainer.strategy.parallelized_steps
@@ -121,12 +103,5 @@ def fit_run(run: str, devices: int) -> dict:
     return result
 
 
-def main() -> None:
-    out_dir, devices, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    for run in runs:
-        result = fit_run(run, devices)
-        write_rank_json(out_dir, run, dist.get_rank() if dist.is_initialized() else 0, result)
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(fit_run)

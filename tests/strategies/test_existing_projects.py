@@ -3,13 +3,12 @@ a tied Hugging Face GPT-2, blocks in an ``nn.ModuleDict``, and a module that sha
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 import existing_project_worker as worker
-from dist_utils import read_ranks, run_lightning_script
+from dist_utils import in_this_process, read_ranks, run_lightning_script
 
 HERE = Path(__file__).parent
 RUNS = ["hf_gpt2", "dict_blocks", "self_sharded"]
@@ -25,11 +24,7 @@ def two(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single():
-    saved = os.environ.get("PL_GLOBAL_SEED")  # seed_everything sets it; it must not leak into other tests
-    try:
-        return {run: worker.fit_run(run, devices=1) for run in ("hf_gpt2", "dict_blocks")}
-    finally:
-        os.environ.pop("PL_GLOBAL_SEED", None) if saved is None else os.environ.__setitem__("PL_GLOBAL_SEED", saved)
+    return in_this_process(lambda: {run: worker.fit_run(run, devices=1) for run in ("hf_gpt2", "dict_blocks")})
 
 
 def _assert_matches(ranks, single):

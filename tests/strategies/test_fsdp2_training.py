@@ -5,13 +5,12 @@ starts the other ranks. Compared per optimizer step over 8 steps: the loss avera
 global batch, the gradient norm (every gradient gathered whole), the norm after clipping.
 """
 
-import os
 from pathlib import Path
 
 import pytest
 
 import fsdp2_worker as worker
-from dist_utils import read_ranks, run_lightning_script
+from dist_utils import in_this_process, read_ranks, run_lightning_script
 
 HERE = Path(__file__).parent
 TOL = 1e-5
@@ -22,15 +21,7 @@ FOUR_RANK_RUNS = ["fsdp2", "hsdp", "fsdp2_reshard2", "fsdp2_tp", "hsdp_tp"]
 
 @pytest.fixture(scope="module")
 def single():
-    # In this process: seed_everything sets PL_GLOBAL_SEED, which must not leak into other tests.
-    saved = os.environ.get("PL_GLOBAL_SEED")
-    try:
-        return worker.fit_run("single", devices=1)
-    finally:
-        if saved is None:
-            os.environ.pop("PL_GLOBAL_SEED", None)
-        else:
-            os.environ["PL_GLOBAL_SEED"] = saved
+    return in_this_process(worker.fit_run, "single", devices=1)
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +132,7 @@ def test_untied_head_group_keeps_its_parameters_after_forward(two, tmp_path_fact
                                      "model.wte": True, "model.ln_f": False, "model.lm_head": False}, r["unit_reshard"]
     for r in two["fsdp2"]:
         assert r["unit_reshard"] == {"model": False, "model.blocks.0": True, "model.blocks.1": False}, r["unit_reshard"]
-    saved = os.environ.get("PL_GLOBAL_SEED")
-    try:
-        single = worker.fit_run("single_untied", devices=1)
-    finally:
-        os.environ.pop("PL_GLOBAL_SEED", None) if saved is None else os.environ.__setitem__("PL_GLOBAL_SEED", saved)
+    single = in_this_process(worker.fit_run, "single_untied", devices=1)
     assert_matches(two["fsdp2_untied"], single)
 
 

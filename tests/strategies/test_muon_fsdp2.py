@@ -7,27 +7,19 @@ its rounding: the losses agree to ~1e-4 (measured 9.9e-5 max over 6 steps), not 
 Orthogonalising each shard alone instead changes the update by ~0.3 per element (vs 0.016 here).
 """
 
-import os
 from pathlib import Path
 
 import pytest
 
 import muon_worker
-from dist_utils import read_ranks, run_lightning_script
+from dist_utils import in_this_process, read_ranks, run_lightning_script
 
 HERE = Path(__file__).parent
 
 
 def test_muon_under_fsdp2_matches_one_process(tmp_path):
-    saved = os.environ.get("PL_GLOBAL_SEED")
-    try:
-        (tmp_path / "single").mkdir()
-        single = muon_worker.run(str(tmp_path / "single"), 1, "auto")
-    finally:
-        if saved is None:  # seed_everything set it in this process: keep it from leaking
-            os.environ.pop("PL_GLOBAL_SEED", None)
-        else:
-            os.environ["PL_GLOBAL_SEED"] = saved
+    (tmp_path / "single").mkdir()
+    single = in_this_process(muon_worker.run, str(tmp_path / "single"), 1, "auto")
     run_lightning_script(HERE / "muon_worker.py", tmp_path, 2, "fsdp2", timeout=300)
     for rank in read_ranks(tmp_path, "muon", 2):
         assert len(rank["losses"]) == muon_worker.STEPS

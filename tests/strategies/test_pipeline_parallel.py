@@ -6,7 +6,6 @@ every rank). Splitting and bad input: in process, no ranks launched."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning as L
@@ -15,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import pp_worker as worker
-from dist_utils import read_ranks, run_lightning_script
+from dist_utils import in_this_process, read_ranks, run_lightning_script
 from lightning_disttrain.module import GPTModule
 from lightning_disttrain.parallel.pipeline import PipelineOptions, PipelinePlan, split_blocks, split_model, stage_ids
 from lightning_disttrain.strategies import NDParallelStrategy
@@ -41,11 +40,7 @@ def ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single():
-    saved = os.environ.get("PL_GLOBAL_SEED")
-    try:
-        return {name: worker.fit_run(name, devices=1) for name in ("single", "single_accum")}
-    finally:
-        os.environ.pop("PL_GLOBAL_SEED", None) if saved is None else os.environ.__setitem__("PL_GLOBAL_SEED", saved)
+    return in_this_process(lambda: {name: worker.fit_run(name, devices=1) for name in ("single", "single_accum")})
 
 
 @pytest.mark.slow

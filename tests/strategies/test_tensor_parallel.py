@@ -6,7 +6,6 @@ Bad input: in process, no ranks launched."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning as L
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import tp_worker as worker
-from dist_utils import read_ranks, run_lightning_script
+from dist_utils import in_this_process, read_ranks, run_lightning_script
 from lightning_disttrain.module import GPTModule
 from lightning_disttrain.strategies import NDParallelStrategy
 
@@ -40,11 +39,7 @@ def two(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single():
-    saved = os.environ.get("PL_GLOBAL_SEED")  # seed_everything sets it; it must not leak into other tests
-    try:
-        return {name: worker.fit_run(name, devices=1) for name in sorted(set(BASELINE.values()))}
-    finally:
-        os.environ.pop("PL_GLOBAL_SEED", None) if saved is None else os.environ.__setitem__("PL_GLOBAL_SEED", saved)
+    return in_this_process(lambda: {name: worker.fit_run(name, devices=1) for name in sorted(set(BASELINE.values()))})
 
 
 @pytest.mark.slow
