@@ -266,7 +266,9 @@ class PipelineStepMixin:
         super().on_validation_end()
         from lightning_disttrain.parallel.fsdp import reshard
 
-        for stage in self.pipeline_stage_modules:
-            reshard(stage)
+        stages = self.pipeline_stage_modules
+        if len(stages) > 1:  # views outside the LightningModule, each its own FSDP root (one stage: the model)
+            for stage in stages:
+                reshard(stage)
 
     on_test_end = on_predict_end = on_validation_end

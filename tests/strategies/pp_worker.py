@@ -34,11 +34,10 @@ RUNS: dict[str, tuple[dict, int]] = {
     # name: (NDParallelStrategy kwargs, accumulate_grad_batches)
     "single": ({}, 1),
     "single_accum": ({}, 2),
-    "pp2_gpipe": (dict(pp=2, pp_schedule="GPipe", pp_microbatches=2), 1),
+    "pp2_gpipe_accum": (dict(pp=2, pp_schedule="GPipe", pp_microbatches=2), 2),  # + gradient accumulation
     "pp2_1f1b": (dict(pp=2, pp_schedule="1F1B", pp_microbatches=4), 1),
     "pp2_interleaved": (dict(pp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4), 1),
     "pp2_zbv": (dict(pp=2, pp_schedule="ZBVZeroBubble", pp_microbatches=4), 1),
-    "pp2_accum": (dict(pp=2, pp_schedule="1F1B", pp_microbatches=2), 2),
     "pp2_fsdp2": (dict(pp=2, dp_shard=2, pp_schedule="1F1B", pp_microbatches=2), 1),
     "pp2_tp2": (dict(pp=2, tp=2, pp_schedule="1F1B", pp_microbatches=2), 1),
     "pp2_fsdp2_tp2": (dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4), 1),
