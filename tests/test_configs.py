@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = ["quickstart.yaml", "gpt2-124m-fineweb.yaml", "tensor-parallel.yaml"]
+CONFIGS = ["quickstart.yaml", "gpt2-124m-fineweb.yaml", "tensor-parallel.yaml", "pipeline-parallel.yaml"]
 
 
 def _checkpoint_args(config: str) -> dict:

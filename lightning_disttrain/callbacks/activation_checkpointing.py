@@ -67,7 +67,7 @@ class SelectiveActivationCheckpointing(Callback):
                                                  recompute_matmuls=recompute_matmuls,
                                                  preserve_rng_state=preserve_rng_state)
         self.checkpointed: list[int] = []
-        """Indices of the blocks checkpointed (filled once applied)."""
+        """Layer indices of the blocks checkpointed on this rank (filled once applied)."""
         self._registered = False
         self._applied = False
 

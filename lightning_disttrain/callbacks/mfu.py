@@ -190,11 +190,14 @@ class MFUMonitor(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flops_fn, self.flops_source = self._resolve_flops(pl_module)
-        tp = getattr(getattr(trainer.strategy, "_parallel_dims", None), "tp", 1)
-        if self._flops_fn is None and tp > 1:
+        dims = getattr(trainer.strategy, "_parallel_dims", None)
+        tp, pp = getattr(dims, "tp", 1), getattr(dims, "pp", 1)
+        if self._flops_fn is None and (tp > 1 or pp > 1):
             # FlopCounterMode sees a DTensor op whole (the TP group's work) but an op on local
-            # shards (attention over this rank's heads) as that shard only: no sound total.
-            raise ValueError(f"MFUMonitor cannot measure FLOPs per token under tensor parallel (tp={tp}); define "
+            # shards (attention over this rank's heads) as that shard only; under pipeline
+            # parallel a rank runs only its stages' blocks: no sound total either way.
+            layout = f"tensor parallel (tp={tp})" if tp > 1 else f"pipeline parallel (pp={pp})"
+            raise ValueError(f"MFUMonitor cannot measure FLOPs per token under {layout}; define "
                              f"flops_per_token(seq_len) on {type(pl_module).__name__} or pass "
                              f"MFUMonitor(flops_per_token=...)")
         self.flops_per_token = {}

@@ -20,8 +20,10 @@ The file (format version 1) is one ``torch.save`` dict, readable with ``weights_
   prefix (``model.``) stripped, so a plain ``GPT(config).load_state_dict(...)`` takes it.
 - ``contents="full"``: a Lightning-style single-file checkpoint with the keys above added:
   ``state_dict`` (LightningModule names), ``optimizer_states`` (DCP's full optimizer state dicts,
-  keyed by parameter name: load them with ``set_optimizer_state_dict(...,
-  options=StateDictOptions(full_state_dict=True))``) and the Lightning state (loops, schedulers,
+  flattened and keyed by parameter name, "state.<fqn>.exp_avg", "param_groups.<fqn>.lr": load them
+  with ``set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True,
+  flatten_optimizer_state_dict=True))``; checkpoints saved before the flattened form give the
+  nested one, loaded without that flag) and the Lightning state (loops, schedulers,
   callbacks, hyper-parameters as saved, data position). Reading it needs ``weights_only=False``
   when the Lightning state holds objects.
 

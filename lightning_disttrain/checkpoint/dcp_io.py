@@ -319,10 +319,22 @@ def verify_distributed(path: str | os.PathLike, comm: Comm) -> Manifest:
     return manifest
 
 
-def saved_keys(path: str | os.PathLike) -> set[str]:
-    """Top-level keys DCP holds in ``path`` ("state_dict", "optimizer_0", ...)."""
+def saved_keys(path: str | os.PathLike, full: bool = False) -> set[str]:
+    """Top-level keys DCP holds in ``path`` ("state_dict", "optimizer_0", ...); ``full``: every
+    flattened key ("optimizer_0.state.model.wte.weight.exp_avg", ...)."""
     metadata = FileSystemReader(path).read_metadata()
-    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    return set(metadata.state_dict_metadata) if full else {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def optimizer_state_options(flatten: bool = True):
+    """How optimizer state is saved and loaded: flattened (``flatten_optimizer_state_dict``), every
+    value keyed by its parameter's name, hyper-parameters too ("param_groups.<fqn>.lr"). The nested
+    form keeps parameter groups as lists of names, which DCP stores once for all ranks: right
+    only while every rank holds every parameter, wrong under pipeline parallel, where each stage
+    has its own groups. Checkpoints written in the nested form (before this) still load."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flatten)
 
 
 def load_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
@@ -377,11 +389,13 @@ def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: l
         raise ValueError(f"checkpoint {str(path)!r} holds {len(saved_optimizers)} optimizer state(s), "
                          f"this run configures {len(optimizers)}; return the same optimizers from "
                          f"configure_optimizers as the run that saved it")
+    every_key = saved_keys(path, full=True) if optimizers else set()
     for index, parts in enumerate(optimizers):
         key = optimizer_key(index)
-        optim_state = {key: get_optimizer_state_dict(module, parts)}
+        options = optimizer_state_options(flatten=f"{key}.param_groups.0.params" not in every_key)
+        optim_state = {key: get_optimizer_state_dict(module, parts, options=options)}
         dcp.load(optim_state, checkpoint_id=path, process_group=comm.group)
-        set_optimizer_state_dict(module, parts, optim_state_dict=optim_state[key])
+        set_optimizer_state_dict(module, parts, optim_state_dict=optim_state[key], options=options)
 
 
 def unwrap_optimizer(optimizer: Any) -> list[torch.optim.Optimizer]:

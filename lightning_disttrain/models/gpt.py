@@ -400,5 +400,9 @@ class GPT(nn.Module):
         """
         c = self.config
         T = seq_len or c.block_size
-        n = self.num_params(embeddings=False, padding=True)
+        whole = self
+        if self.wte is None or self.lm_head is None or len(self.blocks) != c.n_layer:
+            with torch.device("meta"):  # a pipeline stage: count the whole model, built without memory
+                whole = GPT(c)
+        n = whole.num_params(embeddings=False, padding=True)
         return 6 * n + 12 * c.n_layer * c.n_head * c.head_dim * T

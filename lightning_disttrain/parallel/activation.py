@@ -282,7 +282,8 @@ def apply_activation_checkpointing(
     preserve_rng_state: bool = True,
     save_ops: frozenset = DEFAULT_SAVE_OPS,
 ) -> list[int]:
-    """Checkpoint ``blocks`` in place by ``policy``; returns the indices of the blocks changed.
+    """Checkpoint ``blocks`` in place by ``policy``; returns the layer indices of the blocks changed
+    (in the whole model: a pipeline stage reports its own layers, e.g. [2, 3]).
 
     Runs at stage ``"activation_checkpointing"``: after tensor parallel (so it checkpoints the
     sharded block, collectives included) and before compile (so dynamo traces the policy into
@@ -307,7 +308,7 @@ def apply_activation_checkpointing(
         per_block = config
     for i in chosen:
         checkpoint_block(blocks[i], per_block, save_ops=frozenset(save_ops))
-    return chosen
+    return [layers[i] for i in chosen]
 
 
 def _plain(t: Any) -> bool:

@@ -47,6 +47,7 @@ from lightning_disttrain.checkpoint.dcp_io import (
     load_meta,
     load_sharded,
     optimizer_key,
+    optimizer_state_options,
     unwrap_optimizer,
     verify_distributed,
 )
@@ -82,10 +83,12 @@ class DCPCheckpointMixin:
         return get_model_state_dict(self.lightning_module)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """One optimizer's sharded state, keyed by parameter name (so it reshards on load)."""
+        """One optimizer's sharded state, flattened and keyed by parameter name (so it reshards on
+        load, also between pipeline layouts: ``dcp_io.optimizer_state_options``)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
+        return get_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer),
+                                        options=optimizer_state_options())
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` (from ``dump_checkpoint``) as a DCP directory at ``filepath``."""

@@ -323,15 +323,23 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         ctx = TransformContext(device=self.root_device, mesh=self.device_mesh, dims=dims,
                                precision=None if precision is None else str(precision))
         # FSDP runs also over one data-parallel rank: every parameter is then a DTensor, as the
-        # optimizers' foreach kernels need (TP alone leaves some parameters plain).
-        fsdp = None if self_sharded else FSDPSettings(
-            mesh=dims.get_mesh("fsdp"), mp_policy=self.mp_policy or mp_policy_for_precision(ctx.precision),
+        # optimizers' foreach kernels need (TP alone leaves some parameters plain). Pipeline stages
+        # without TP on one data-parallel rank in full precision are the exception: every parameter
+        # stays plain, and FSDP would only copy them in and out (about a tenth of the step:
+        # docs/benchmarks.md, section 11).
+        mp_policy = self.mp_policy or mp_policy_for_precision(ctx.precision)
+        no_fsdp = (pipeline is not None and not dims.tp_enabled and dims.dp_size == 1 and not self.cpu_offload
+                   and mp_policy == MixedPrecisionPolicy())
+        fsdp = None if self_sharded or no_fsdp else FSDPSettings(
+            mesh=dims.get_mesh("fsdp"), mp_policy=mp_policy,
             # Under pp the schedule runs many micro-batches' forwards before their backwards: the
             # parameters stay gathered from forward to backward (torchtitan does the same).
             reshard_after_forward=False if pipeline else self.reshard_after_forward, cpu_offload=self.cpu_offload)
         tp = TPSettings(dims.get_mesh("tp"), self.tp_options) if dims.tp_enabled and not self_sharded else None
         done = parallelize(module, ctx, self.transforms, compile_options=self.compile_options, tp=tp, fsdp=fsdp,
                            pipeline=pipeline)
+        if no_fsdp:
+            done.steps.append("no fsdp (one data-parallel rank, full precision: nothing to shard)")
         self.parallelized_steps = done.steps
         self._root_is_lightning_module = (done.fsdp_root is module if done.fsdp_root is not None
                                           else isinstance(module, FSDPModule))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -149,41 +146,15 @@ def test_cli_yaml_class_path(tmp_path):
     assert all(checkpoint_config_of(b).policy == "selective" for b in cli.model.model.blocks)
 
 
-_FSDP2_SCRIPT = """
-import sys, torch, lightning.pytorch as pl
-sys.path.insert(0, {test_dir!r})
-from test_activation_checkpointing import RandomTokenData, BackwardOpCounter, VOCAB
-import lightning_disttrain.strategies
-from lightning_disttrain.callbacks import SelectiveActivationCheckpointing
-from lightning_disttrain.module import GPTModule
-from lightning_disttrain.parallel.activation import checkpoint_config_of
-
-torch.manual_seed(0)
-counter, cb = BackwardOpCounter(), SelectiveActivationCheckpointing(policy="selective")
-trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp2", max_steps=2, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, callbacks=[cb, counter])
-module = GPTModule("tiny", vocab_size=VOCAB, lr=1e-3)
-trainer.fit(module, datamodule=RandomTokenData())
-steps = trainer.strategy.parallelized_steps
-assert [s.split(":")[0] for s in steps] == ["activation_checkpointing", "fsdp"], steps
-assert steps[0] == "activation_checkpointing: SelectiveActivationCheckpointing", steps
-assert cb.checkpointed == [0, 1, 2, 3], cb.checkpointed
-assert all(checkpoint_config_of(b) is not None for b in module.model.blocks)
-assert [s["attention"] for s in counter.steps] == [0, 0], counter.steps
-assert all(s["layer_norm"] == 8 for s in counter.steps), counter.steps
-print("RANK_OK", trainer.global_rank)
-"""
+WORKER, LAUNCH = "callbacks_worker", {2: ["activation_checkpointing"]}  # the suite's shared 2-rank launch
 
 
 @pytest.mark.slow
-def test_under_fsdp2_on_two_cpu_processes(tmp_path):
-    script = tmp_path / "fsdp2_ac.py"
-    script.write_text(_FSDP2_SCRIPT.format(test_dir=os.path.dirname(__file__)))
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert out.count("RANK_OK") == 2, out[-4000:]
+def test_under_fsdp2_on_two_cpu_processes(launched):
+    for r in launched(WORKER, 2)["activation_checkpointing"]:
+        steps = r["steps"]
+        assert [s.split(":")[0] for s in steps] == ["activation_checkpointing", "fsdp"], steps
+        assert steps[0] == "activation_checkpointing: SelectiveActivationCheckpointing", steps
+        assert r["checkpointed"] == [0, 1, 2, 3] and all(r["configured"])
+        assert [s["attention"] for s in r["backward_ops"]] == [0, 0], r["backward_ops"]  # attention never recomputed
+        assert all(s["layer_norm"] == 8 for s in r["backward_ops"]), r["backward_ops"]

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import hf_models  # noqa: E402
 from cli_fit import fit_from_yaml  # noqa: E402
-from dist_utils import read_ranks, run_lightning_script  # noqa: E402
+from dist_utils import in_this_process  # noqa: E402
 from float8_compare import compare_float8_to_baseline  # noqa: E402
 
 VOCAB = 256  # a multiple of 16, so the head would qualify on shape alone: excluded by rule
@@ -261,49 +261,15 @@ def test_cli_yaml_class_path(tmp_path):
 
 # ---- fsdp2 on two CPU processes --------------------------------------------------------------
 
-_FSDP2_SCRIPT = """
-import json, sys, torch, lightning.pytorch as pl
-sys.path.insert(0, {test_dir!r})
-from test_float8 import PatternData, VOCAB
-import lightning_disttrain.strategies
-from lightning_disttrain.callbacks import Float8Training
-from lightning_disttrain.module import GPTModule
-
-devices, out = int(sys.argv[1]), sys.argv[2]
-
-class Losses(pl.Callback):
-    def __init__(self): self.losses = []
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-torch.manual_seed(0)
-cb, losses = Float8Training(), Losses()
-trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="fsdp2" if devices > 1 else "auto",
-                     max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     use_distributed_sampler=False,
-                     enable_model_summary=False, callbacks=[cb, losses], precision="32-true")
-module = GPTModule("tiny", vocab_size=VOCAB, lr=1e-3, warmup_steps=0)
-trainer.fit(module, datamodule=PatternData(batch_size=4 // devices))
-w = module.model.blocks[0].attn.wq.weight
-local = getattr(w, "_local_tensor", w)
-with open(f"{{out}}/float8.rank{{trainer.global_rank}}.json", "w") as f:
-    json.dump({{"steps": trainer.strategy.parallelized_steps if devices > 1 else [],
-               "all_gather": cb.fsdp_float8_all_gather, "converted": cb.converted,
-               "weight": [type(w).__name__, type(local).__name__, str(w.dtype)],
-               "precomputed": getattr(local, "_precomputed_scale", None) is not None,
-               "losses": losses.losses}}, f)
-"""
+WORKER, LAUNCH = "callbacks_worker", {2: ["float8"]}  # in the suite's shared 2-rank launch (tests/conftest.py)
 
 
 @pytest.mark.slow
-def test_under_fsdp2_weights_are_gathered_in_float8_and_training_matches_one_process(tmp_path):
-    script = tmp_path / "fsdp2_float8.py"
-    script.write_text(_FSDP2_SCRIPT.format(test_dir=str(Path(__file__).parent)))
-    run_lightning_script(script, "2", str(tmp_path))
-    ranks = read_ranks(tmp_path, "float8", 2)
-    (tmp_path / "single").mkdir()
-    run_lightning_script(script, "1", str(tmp_path / "single"))
-    [single] = read_ranks(tmp_path / "single", "float8", 1)
+def test_under_fsdp2_weights_are_gathered_in_float8_and_training_matches_one_process(launched):
+    import callbacks_worker
+
+    ranks = launched(WORKER, 2)["float8"]
+    single = in_this_process(callbacks_worker.fit_run, "float8", 1)
     for r in ranks:
         steps = [s.split(":")[0] for s in r["steps"]]
         assert steps == ["dtype", "fsdp"] and r["steps"][0] == "dtype: Float8Training", r["steps"]

@@ -28,7 +28,6 @@ from lightning_disttrain.module import GPTModule
 # Also imported by the 2-rank scripts below, outside pytest: make tests/ importable there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cli_fit import fit_from_yaml  # noqa: E402
-from dist_utils import read_ranks, run_lightning_script  # noqa: E402
 
 VOCAB = 256
 SEQ = 32
@@ -251,32 +250,12 @@ def test_cli_yaml_class_path(tmp_path):
 
 # ---- fsdp2 on two CPU processes --------------------------------------------------------------
 
-_FSDP2_SCRIPT = """
-import json, sys, torch, lightning.pytorch as pl
-sys.path.insert(0, {test_dir!r})
-from test_mfu import TokenData, VOCAB
-import lightning_disttrain.strategies
-from lightning_disttrain.callbacks import MFUMonitor
-from lightning_disttrain.module import GPTModule
-
-out = sys.argv[1]
-torch.manual_seed(0)
-monitor = MFUMonitor(window=2, warn_below=0.0)
-trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp2", max_steps=3, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     callbacks=[monitor])
-trainer.fit(GPTModule("tiny", vocab_size=VOCAB), datamodule=TokenData(batch_size=2))
-with open(f"{{out}}/mfu.rank{{trainer.global_rank}}.json", "w") as f:
-    json.dump({{"metrics": monitor.metrics, "dp": monitor._dp, "world": monitor._world}}, f)
-"""
+WORKER, LAUNCH = "callbacks_worker", {2: ["mfu"]}  # in the suite's shared 2-rank launch (tests/conftest.py)
 
 
 @pytest.mark.slow
-def test_under_fsdp2_tokens_count_every_data_parallel_rank(tmp_path):
-    script = tmp_path / "fsdp2_mfu.py"
-    script.write_text(_FSDP2_SCRIPT.format(test_dir=str(Path(__file__).parent)))
-    run_lightning_script(script, str(tmp_path))
-    for r in read_ranks(tmp_path, "mfu", 2):
+def test_under_fsdp2_tokens_count_every_data_parallel_rank(launched):
+    for r in launched(WORKER, 2)["mfu"]:
         m = r["metrics"]
         assert r["dp"] == r["world"] == 2
         # Each rank's micro-batch is 2 x SEQ tokens; a step is 2 ranks' worth.

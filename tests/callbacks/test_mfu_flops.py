@@ -158,15 +158,18 @@ def test_forward_flop_counter_skips_backward_and_its_recomputation():
     assert any("flash_attention_for_cpu" in str(op) for op in forward.get_flop_counts()["Global"])
 
 
-def test_measuring_under_tensor_parallel_is_refused_with_the_fix():
-    # FlopCounterMode would see DTensor ops whole and local-shard ops per shard: no sound total.
+@pytest.mark.parametrize(("dims", "layout"), [(dict(tp=2, pp=1), r"tensor parallel \(tp=2\)"),
+                                              (dict(tp=1, pp=2), r"pipeline parallel \(pp=2\)")])
+def test_measuring_under_tensor_or_pipeline_parallel_is_refused_with_the_fix(dims, layout):
+    # FlopCounterMode would see DTensor ops whole and local-shard ops per shard, and under pp
+    # only this rank's stages: no sound total.
     from types import SimpleNamespace
 
     import lightning.pytorch as pl
 
     from lightning_disttrain.callbacks import MFUMonitor
 
-    trainer = SimpleNamespace(strategy=SimpleNamespace(_parallel_dims=SimpleNamespace(tp=2)))
-    with pytest.raises(ValueError, match=r"cannot measure FLOPs per token under tensor parallel \(tp=2\); "
+    trainer = SimpleNamespace(strategy=SimpleNamespace(_parallel_dims=SimpleNamespace(**dims)))
+    with pytest.raises(ValueError, match=rf"cannot measure FLOPs per token under {layout}; "
                                          r"define flops_per_token\(seq_len\) on LightningModule"):
         MFUMonitor().on_fit_start(trainer, pl.LightningModule())

@@ -19,7 +19,7 @@ from lightning_disttrain.parallel.float8 import float8_fqns
 # Also imported by the 2-rank script below, outside pytest: make tests/ importable there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_models  # noqa: E402
-from dist_utils import read_ranks, run_lightning_script  # noqa: E402
+from dist_utils import in_this_process  # noqa: E402
 
 LLAMA_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -94,44 +94,15 @@ def test_llama_trains_with_all_three_callbacks_like_float8_alone():
 
 # ---- fsdp2 on two CPU processes --------------------------------------------------------------
 
-_SCRIPT = """
-import sys, torch
-sys.path.insert(0, {tests!r}); sys.path.insert(0, {here!r})
-import hf_models
-from dist_utils import write_rank_json
-from test_third_party_models import _fit
-import lightning_disttrain.strategies
-from lightning_disttrain.callbacks import Float8Training, MFUMonitor, SelectiveActivationCheckpointing
-
-devices, out = int(sys.argv[1]), sys.argv[2]
-module = hf_models.HFCausalLM("llama")  # untied head: tie_word_embeddings=False
-# rowwise_with_gw_hp: every float8 scale is per row of one token (or of one weight row), so
-# splitting the batch over ranks does not change them; tensorwise scales would see half the
-# batch per rank. Emulated float8 on CPU, on both sides.
-sac, float8 = SelectiveActivationCheckpointing(), Float8Training(recipe="rowwise_with_gw_hp")
-mfu = MFUMonitor(window=2, warn_below=0.0, peak_flops=1e12)
-trainer = _fit(module, [sac, float8, mfu], steps=4, devices=devices,
-               strategy="fsdp2" if devices > 1 else "auto")
-# "<stage>: <what ran>", in the order the strategy applied them
-steps = trainer.strategy.parallelized_steps if devices > 1 else []
-write_rank_json(out, "hf", trainer.global_rank, {{
-    "losses": module.losses, "stages": [s.split(":")[0] for s in steps], "checkpointed": sac.checkpointed, "converted": float8.converted,
-    "flops_per_token": mfu.flops_per_token[hf_models.SEQ], "flops_source": mfu.flops_source,
-    "tokens_per_step": mfu.metrics["perf/tokens_per_sec"] * mfu.metrics["perf/step_time_s"],
-    "sharded": type(module.model.model.layers[0].mlp.up_proj.weight).__name__}})
-"""
+WORKER, LAUNCH = "callbacks_worker", {2: ["llama"]}  # in the suite's shared 2-rank launch (tests/conftest.py)
 
 
 @pytest.mark.slow
-def test_llama_under_fsdp2_with_all_three_callbacks_trains_like_one_process(tmp_path):
-    script = tmp_path / "fsdp2_hf.py"
-    script.write_text(_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]),
-                                     here=str(Path(__file__).resolve().parent)))
-    run_lightning_script(script, "2", str(tmp_path))
-    ranks = read_ranks(tmp_path, "hf", 2)
-    (tmp_path / "single").mkdir()
-    run_lightning_script(script, "1", str(tmp_path / "single"))
-    [single] = read_ranks(tmp_path / "single", "hf", 1)
+def test_llama_under_fsdp2_with_all_three_callbacks_trains_like_one_process(launched):
+    import callbacks_worker
+
+    ranks = launched(WORKER, 2)["llama"]
+    single = in_this_process(callbacks_worker.fit_run, "llama", 1)
     for r in ranks:
         # Under the strategy the model-changing callbacks ran as its transforms, before sharding.
         order = [s for s in r["stages"] if s in ("dtype", "activation_checkpointing", "fsdp")]

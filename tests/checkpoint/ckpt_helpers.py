@@ -31,10 +31,15 @@ def train_a_bit(module: nn.Module, steps: int = 2, seed: int = 0) -> torch.optim
     return opt
 
 
-def dcp_state(module: nn.Module, opt: torch.optim.Optimizer) -> dict:
+def dcp_state(module: nn.Module, opt: torch.optim.Optimizer, nested: bool = False) -> dict:
+    """What the strategies save: the optimizer state flattened (``nested``: the form checkpoints
+    had before pipeline parallel, which must still load)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return {"state_dict": get_model_state_dict(module), "optimizer_0": get_optimizer_state_dict(module, opt)}
+    from lightning_disttrain.checkpoint.dcp_io import optimizer_state_options
+
+    return {"state_dict": get_model_state_dict(module),
+            "optimizer_0": get_optimizer_state_dict(module, opt, options=optimizer_state_options(not nested))}
 
 
 def save(path, module, opt, step: int = 0, writer: CheckpointWriter | None = None, meta: dict | None = None):

@@ -47,7 +47,9 @@ def test_full_export_is_a_lightning_style_file(ckpt, tmp_path):
     assert full["global_step"] == 2  # the Lightning state (meta.pt) comes along
     assert all(k.startswith("model.") for k in full["state_dict"])
     (optim,) = full["optimizer_states"]
-    assert "model.wte.weight" in optim["state"] and optim["param_groups"][0]["lr"] == 1e-3
+    # flattened, keyed by parameter name: set_optimizer_state_dict(..., options=StateDictOptions(
+    # full_state_dict=True, flatten_optimizer_state_dict=True)) loads it
+    assert "state.model.wte.weight.exp_avg" in optim and optim["param_groups.model.wte.weight.lr"] == 1e-3
     gpt = GPT(GPTConfig.from_name("tiny", vocab_size=VOCAB, n_layer=2))
     gpt.load_state_dict(load_consolidated(out, prefix="model."))
 

@@ -7,10 +7,11 @@ the tests below through one module-scoped fixture:
 A  2 ranks, 12 steps, async saves every 3 steps (DCP writes slowed by 2 s), keep 2: the reference
 B  2 ranks, 6 steps, sync saves every 2 steps, keep 2: the run that is "interrupted"
 C  4 ranks, 4 steps, one save at the end (plus the gathered full state): the reshard source
-E  2 ranks, 30 steps, async saves every step with save_last=True (two saves back to back), keep 2
+E  2 ranks, 16 steps, async saves every step with save_last=True (two saves back to back), keep 2
 D  2 ranks, one new process, several fits: resume B (via "last"), A (async), C (reshard), E,
-   a "last" whose newest checkpoint is incomplete, four damaged checkpoints, and tensor parallel:
-   train tp=2 and save, resume tp=2 from it, reshard it to tp=1
+   a "last" whose newest checkpoint is incomplete, four damaged checkpoints, tensor parallel:
+   train tp=2 and save, resume tp=2 from it, reshard it to tp=1; and pipeline parallel: train
+   pp=2 and save, resume pp=2 from it, reshard it to pp=1, train on, reshard that back to pp=2
 C also loads its own checkpoint as FSDP2 x TP 2x2 in the same 4 processes after training.
 Every launch runs the project's NDParallelStrategy; a launch that hangs fails after its timeout.
 """
@@ -40,6 +41,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 SLOW_WRITE = 2.0  # seconds each DCP file write of run A takes at least
+E_STEPS = 16  # run E: 32 saves, every two of them back to back
 
 
 def _launch(out: Path, *args: str, devices: int = 2, timeout: float = 240) -> list[dict]:
@@ -95,7 +97,7 @@ def runs(tmp_path_factory):
     c = _launch(root / "c", "train", "--steps", "4", "--ckpt-dir", str(root / "c_ckpt"), "--every", "4",
                 "--top-k", "1", "--dump-state", "--jobs", str(root / "c_jobs.json"), devices=4, timeout=300)
     # E: async saves every step with save_last=True: a top-k save and a full "last" save back to back.
-    e = _launch(root / "e", "train", "--steps", "30", "--total-steps", "30", "--ckpt-dir", str(root / "e_ckpt"),
+    e = _launch(root / "e", "train", "--steps", str(E_STEPS), "--total-steps", str(E_STEPS), "--ckpt-dir", str(root / "e_ckpt"),
                 "--every", "1", "--top-k", "2", "--async-save", "--save-last", "true", timeout=300)
 
     # "last" whose newest checkpoint never completed: a copy of B without step 6's manifest.
@@ -116,8 +118,18 @@ def runs(tmp_path_factory):
          "save_every": 3, "dump_final": True},
         {"name": "tp_resume", "ckpt_path": str(root / "tp_ckpt" / "step=003.ckpt"), "steps": 6, "tp": 2},
         {"name": "tp_to_1", "ckpt_path": str(root / "tp_ckpt" / "step=006.ckpt"), "steps": 7, "dump_state": True},
-        {"name": "e_from29", "ckpt_path": str(root / "e_ckpt" / "step=029.ckpt"), "steps": 30, "total_steps": 30},
-        {"name": "e_from_last", "ckpt_path": str(root / "e_ckpt" / "last.ckpt"), "steps": 31, "total_steps": 30,
+        # Pipeline parallel (pp=2, 1F1B, untied head, dropout on): train and save, resume on the same
+        # layout, reshard to pp=1 (FSDP2 over both ranks), train on and save, reshard back to pp=2.
+        {"name": "pp_train", "ckpt_path": None, "steps": 6, "pp": 2, "untied": True, "save_dir": str(root / "pp_ckpt"),
+         "save_every": 3, "dump_final": True},
+        {"name": "pp_resume", "ckpt_path": str(root / "pp_ckpt" / "step=003.ckpt"), "steps": 6, "pp": 2, "untied": True},
+        {"name": "pp_to_1", "ckpt_path": str(root / "pp_ckpt" / "step=006.ckpt"), "steps": 8, "untied": True,
+         "dump_state": True, "save_dir": str(root / "pp1_ckpt"), "save_every": 8, "dump_final": True},
+        {"name": "pp_from_1", "ckpt_path": str(root / "pp1_ckpt" / "step=008.ckpt"), "steps": 9, "pp": 2,
+         "untied": True, "dump_state": True},
+        {"name": "e_from_before_last", "ckpt_path": str(root / "e_ckpt" / f"step={E_STEPS - 1:03d}.ckpt"),
+         "steps": E_STEPS, "total_steps": E_STEPS},
+        {"name": "e_from_last", "ckpt_path": str(root / "e_ckpt" / "last.ckpt"), "steps": E_STEPS + 1, "total_steps": E_STEPS,
          "dump_state": True},
     ]
     (root / "jobs.json").write_text(json.dumps(jobs))
@@ -298,25 +310,26 @@ def test_nd_parallel_strategy_inherits_the_mixin():
 
 def test_back_to_back_async_saves_every_step_neither_hang_nor_corrupt(runs):
     # ModelCheckpoint with save_last=True saves the top-k checkpoint and then "last.ckpt" right
-    # after it, every step (run E, 30 steps): the second save starts while the first one's
+    # after it, every step (run E, E_STEPS steps): the second save starts while the first one's
     # background write still runs collectives on the checkpoint group. Each must wait for the
     # other; otherwise ranks pair different collectives (a hang: _launch's timeout fails the run
     # and kills its ranks, or one rank's file list taken for another's path).
     root, ckpts = runs["root"], runs["root"] / "e_ckpt"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step=029.ckpt", "step=030.ckpt"]
-    for name, step in (("last.ckpt", 30), ("step=029.ckpt", 29), ("step=030.ckpt", 30)):
+    n = E_STEPS
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", f"step={n - 1:03d}.ckpt", f"step={n:03d}.ckpt"]
+    for name, step in (("last.ckpt", n), (f"step={n - 1:03d}.ckpt", n - 1), (f"step={n:03d}.ckpt", n)):
         assert not (ckpts / name).is_symlink()
         manifest = verify_checkpoint(ckpts / name)
         assert manifest.global_step == step and manifest.extra["async_save"] is True
     for rank in (0, 1):
-        from29, from_last = runs["d"][rank]["e_from29"], runs["d"][rank]["e_from_last"]
-        assert from29["ok"], from29.get("traceback")
-        assert from29["start_step"] == 29
-        assert _steps(from29["losses"], after=29) == _steps(runs["e"][rank]["losses"], after=29)
-        assert from_last["ok"] and from_last["start_step"] == 30, from_last.get("traceback")
-    # "last.ckpt" restores the weights the step=030 checkpoint holds.
+        before, from_last = runs["d"][rank]["e_from_before_last"], runs["d"][rank]["e_from_last"]
+        assert before["ok"], before.get("traceback")
+        assert before["start_step"] == n - 1
+        assert _steps(before["losses"], after=n - 1) == _steps(runs["e"][rank]["losses"], after=n - 1)
+        assert from_last["ok"] and from_last["start_step"] == n, from_last.get("traceback")
+    # "last.ckpt" restores the weights the newest step checkpoint holds.
     restored = torch.load(root / "d" / "e_from_last_restored.pt", weights_only=False)["model"]
-    exported = load_consolidated(export_consolidated(ckpts / "step=030.ckpt", root / "e30.pt", prefix=None))
+    exported = load_consolidated(export_consolidated(ckpts / f"step={n:03d}.ckpt", root / "e_last.pt", prefix=None))
     assert restored.keys() == exported.keys()
     for key, value in exported.items():
         assert torch.equal(value, restored[key]), key
@@ -360,3 +373,49 @@ def test_tensor_parallel_checkpoints_reshard_to_other_layouts(runs):
         assert r["jobs"]["to_2x2"]["start_step"] == 4
     _assert_same_state(torch.load(root / "c" / "final_state.pt", weights_only=False),
                        torch.load(root / "c" / "to_2x2_restored.pt", weights_only=False))
+
+
+def _stage_state(root: Path, name: str) -> dict:
+    sys.path.insert(0, str(SCRIPTS))
+    from harness import merge_stage_states
+
+    return merge_stage_states([root / "d" / f"{name}.rank{r}.pt" for r in (0, 1)])
+
+
+def test_pipeline_parallel_resumes_bitwise_on_the_same_layout(runs):
+    # pp=2 with dropout: each stage rank restores its own RNG stream; the loss every rank records
+    # is the last stage's (sent to both), so both ranks hold the same, bitwise, after the resume.
+    for rank in (0, 1):
+        trained, resumed = runs["d"][rank]["pp_train"], runs["d"][rank]["pp_resume"]
+        assert trained["ok"] and resumed["ok"], (trained.get("traceback"), resumed.get("traceback"))
+        assert resumed["start_step"] == 3
+        assert _steps(resumed["losses"], after=3) == _steps(trained["losses"], after=3)
+        assert len(_steps(trained["losses"], after=3)) == 3
+    assert runs["d"][0]["pp_train"]["losses"] == runs["d"][1]["pp_train"]["losses"]
+    assert runs["d"][0]["pp_train"]["samples"] == runs["d"][1]["pp_train"]["samples"]  # one pipeline: one batch
+
+
+def test_pipeline_checkpoints_reshard_to_pp1_and_back(runs):
+    root = runs["root"]
+    for rank in (0, 1):
+        for name in ("pp_to_1", "pp_from_1"):
+            assert runs["d"][rank][name]["ok"], runs["d"][rank][name].get("traceback")
+    # pp=2 (each rank its stage) -> pp=1 (FSDP2 over both ranks): every weight and optimizer state equal.
+    trained = _stage_state(root, "pp_train_final")
+    _assert_same_state(trained, torch.load(root / "d" / "pp_to_1_restored.pt", weights_only=False))
+    # ... and pp=1 -> pp=2 from the checkpoint pp_to_1 wrote after 2 more steps.
+    _assert_same_state(torch.load(root / "d" / "pp_to_1_final.pt", weights_only=False),
+                       _stage_state(root, "pp_from_1_restored"))
+    # The data continues: pp=2 read 2 samples per step (one pipeline), FSDP2 on 2 ranks 4.
+    from harness import expected_windows
+
+    seen = {name: [i for s, ids in runs["d"][0][name]["samples"] for i in ids] for name in ("pp_train", "pp_from_1")}
+    assert seen["pp_train"] == expected_windows(0, 12)
+    to_1 = [i for step in (7, 8) for r in runs["d"] for s, ids in r["pp_to_1"]["samples"] if s == step for i in ids]
+    assert sorted(to_1) == sorted(expected_windows(12, 8))
+    assert seen["pp_from_1"] == expected_windows(20, 2)
+    # export from the pp=2 checkpoint: the same single-file state dict as the unsplit model's.
+    exported = load_consolidated(export_consolidated(root / "pp_ckpt" / "step=006.ckpt", root / "pp6.pt", prefix=None))
+    assert exported.keys() == trained["model"].keys()
+    for key, value in exported.items():
+        assert torch.equal(value, trained["model"][key]), key

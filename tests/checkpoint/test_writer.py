@@ -64,6 +64,21 @@ def test_sync_round_trip_restores_model_and_optimizer(ckpt, trained):
     assert load_meta(ckpt) == {"global_step": 2, "epoch": 0}
 
 
+def test_checkpoints_with_the_nested_optimizer_form_still_load(tmp_path, trained):
+    # Written before the optimizer state was saved flattened (parameter groups as lists of names).
+    module, opt = trained
+    old = tmp_path / "nested.ckpt"
+    CheckpointWriter().save(old, dcp_state(module, opt, nested=True), {"global_step": 2, "epoch": 0},
+                            global_step=2, epoch=0)
+    fresh = Wrapper(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=5.0)
+    load_sharded(old, fresh, [[fresh_opt]], Comm())
+    _assert_same(module, fresh)
+    assert fresh_opt.param_groups[0]["lr"] == 1e-3
+    for p, q in zip(module.parameters(), fresh.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
+
+
 def test_optimizer_count_mismatch_names_the_fix(ckpt):
     fresh = Wrapper()
     opts = [[torch.optim.AdamW(fresh.parameters())], [torch.optim.SGD(fresh.parameters(), lr=0.1)]]

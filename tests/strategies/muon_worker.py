@@ -1,9 +1,8 @@
 """The hybrid Muon optimizer under fsdp2 (DTensor gradients) vs one process: per-step losses.
 
-    python muon_worker.py OUT_DIR DEVICES STRATEGY
+    python multi_worker.py OUT_DIR DEVICES muon_worker:STRATEGY
 """
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -13,8 +12,6 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_utils import rank_json  # noqa: E402
-
 from lightning_disttrain import GPTModule  # noqa: E402  (registers fsdp2)
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 6, 8, 16, 64
@@ -28,7 +25,7 @@ class Losses(L.Callback):
         self.losses.append(trainer.callback_metrics["train/loss"].item())  # sync_dist: the global mean
 
 
-def run(out_dir: str, devices: int, strategy: str) -> list[float]:
+def fit_run(strategy: str, devices: int) -> dict:
     L.seed_everything(0)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(1))
     # Rank r takes slice r of every global batch (Lightning's own sampler would shuffle), so each
@@ -43,9 +40,4 @@ def run(out_dir: str, devices: int, strategy: str) -> list[float]:
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False)
     trainer.fit(module, loader)
-    rank_json(out_dir, "muon", trainer.global_rank).write_text(json.dumps({"losses": losses.losses}))
-    return losses.losses
-
-
-if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    return {"losses": losses.losses}

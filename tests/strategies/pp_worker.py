@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fsdp2_worker as base  # noqa: E402
 from dist_utils import worker_main  # noqa: E402
 from fsdp2_worker import CLIP, GLOBAL_BATCH, SEQ, STEPS, VOCAB, dataset  # noqa: E402
+from lightning_disttrain.callbacks import MFUMonitor, SelectiveActivationCheckpointing  # noqa: E402
 from lightning_disttrain.module import GPTModule  # noqa: E402
 from lightning_disttrain.strategies import NDParallelStrategy  # noqa: E402
 
@@ -35,13 +36,16 @@ RUNS: dict[str, tuple[dict, int]] = {
     "single": ({}, 1),
     "single_accum": ({}, 2),
     "pp2_gpipe_accum": (dict(pp=2, pp_schedule="GPipe", pp_microbatches=2), 2),  # + gradient accumulation
-    "pp2_1f1b": (dict(pp=2, pp_schedule="1F1B", pp_microbatches=4), 1),
+    # + selective activation checkpointing and per-block compile (eager backend) inside the stage
+    "pp2_1f1b": (dict(pp=2, pp_schedule="1F1B", pp_microbatches=4, compile={"backend": "eager"}), 1),
     "pp2_interleaved": (dict(pp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4), 1),
+    # + full recompute of every block: the zero-bubble split backward (inputs, then weights) through it
     "pp2_zbv": (dict(pp=2, pp_schedule="ZBVZeroBubble", pp_microbatches=4), 1),
-    "pp2_fsdp2": (dict(pp=2, dp_shard=2, pp_schedule="1F1B", pp_microbatches=2), 1),
+    "pp2_fsdp2": (dict(pp=2, dp_shard=2, pp_schedule="1F1B", pp_microbatches=2), 1),  # + MFUMonitor
     "pp2_tp2": (dict(pp=2, tp=2, pp_schedule="1F1B", pp_microbatches=2), 1),
     "pp2_fsdp2_tp2": (dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4), 1),
 }
+CHECKPOINTING = {"pp2_1f1b": "selective", "pp2_zbv": "full"}
 BASELINE = {name: ("single_accum" if accumulate == 2 else "single") for name, (_, accumulate) in RUNS.items()}
 
 
@@ -80,7 +84,12 @@ def fit_run(run: str, devices: int) -> dict:
     model = PPGPT()
     model.micro_batch = GLOBAL_BATCH // (dims * accumulate)
     strategy = NDParallelStrategy(**kwargs) if devices > 1 else "auto"
-    trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS,
+    callbacks = []
+    if run in CHECKPOINTING:
+        callbacks.append(SelectiveActivationCheckpointing(policy=CHECKPOINTING[run]))
+    if run == "pp2_fsdp2":  # analytic FLOPs per token; a stated peak (no CPU micro-benchmark)
+        callbacks.append(MFUMonitor(peak_flops=1e12, window=2, log_every_n_steps=1))
+    trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS, callbacks=callbacks,
                         accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
@@ -95,6 +104,16 @@ def fit_run(run: str, devices: int) -> dict:
     losses = logged.view(-1, accumulate).mean(dim=1).tolist()
     result = {"losses": losses, "val_loss": val[0]["val/loss"], "params": param_sums(model.model),
               "steps": trainer.global_step}
+    for callback in callbacks:
+        if isinstance(callback, SelectiveActivationCheckpointing):
+            result["checkpointed"] = callback.checkpointed  # block indices of this rank's stages
+        else:
+            m = callback.metrics  # tokens and FLOPs per optimizer step, from the window's rates
+            result["mfu"] = {"tokens_per_step": m["perf/tokens_per_sec"] * m["perf/step_time_s"],
+                             "flops_per_step": m["perf/tflops_per_device"] * 1e12 * trainer.world_size
+                             * m["perf/step_time_s"], "flops_per_token": callback.flops_per_token}
+    blocks = model.model.blocks
+    result["compiled_blocks"] = sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
     if devices > 1:
         result["parallelized_steps"] = trainer.strategy.parallelized_steps
         result["sampler"] = trainer.strategy.distributed_sampler_kwargs

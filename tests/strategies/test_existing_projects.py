@@ -3,23 +3,20 @@ a tied Hugging Face GPT-2, blocks in an ``nn.ModuleDict``, and a module that sha
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 import existing_project_worker as worker
-from dist_utils import in_this_process, read_ranks, run_lightning_script
+from dist_utils import in_this_process
 
-HERE = Path(__file__).parent
 RUNS = ["hf_gpt2", "dict_blocks", "self_sharded"]
+WORKER, LAUNCH = "existing_project_worker", {2: RUNS}  # launched by conftest.py
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("existing")
-    run_lightning_script(HERE / "existing_project_worker.py", out, 2, *RUNS, timeout=600)
-    return {run: read_ranks(out, run, 2) for run in RUNS}
+def two(launched):
+    return launched(WORKER, 2)
 
 
 @pytest.fixture(scope="module")

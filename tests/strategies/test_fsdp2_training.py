@@ -17,6 +17,7 @@ TOL = 1e-5
 TWO_RANK_RUNS = ["fsdp2", "fsdp2_zero2", "fsdp2_accum4", "fsdp2_meta", "fsdp2_compile", "fsdp2_bf16", "flat_fsdp2",
                  "ddp_like", "fsdp2_untied"]
 FOUR_RANK_RUNS = ["fsdp2", "hsdp", "fsdp2_reshard2", "fsdp2_tp", "hsdp_tp"]
+WORKER, LAUNCH = "fsdp2_worker", {2: TWO_RANK_RUNS, 4: FOUR_RANK_RUNS}  # launched by conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +26,13 @@ def single():
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2_two")
-    run_lightning_script(HERE / "fsdp2_worker.py", out, 2, *TWO_RANK_RUNS, timeout=600)
-    return {run: read_ranks(out, run, 2) for run in TWO_RANK_RUNS}
+def two(launched):
+    return launched(WORKER, 2)
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2_four")
-    run_lightning_script(HERE / "fsdp2_worker.py", out, 4, *FOUR_RANK_RUNS, timeout=600)
-    return {run: read_ranks(out, run, 4) for run in FOUR_RANK_RUNS}
+def four(launched):
+    return launched(WORKER, 4)
 
 
 def assert_matches(ranks, single):

@@ -7,20 +7,16 @@ its rounding: the losses agree to ~1e-4 (measured 9.9e-5 max over 6 steps), not 
 Orthogonalising each shard alone instead changes the update by ~0.3 per element (vs 0.016 here).
 """
 
-from pathlib import Path
-
 import pytest
 
 import muon_worker
-from dist_utils import in_this_process, read_ranks, run_lightning_script
+from dist_utils import in_this_process
 
-HERE = Path(__file__).parent
+WORKER, LAUNCH = "muon_worker", {2: ["fsdp2"]}  # launched by conftest.py
 
 
-def test_muon_under_fsdp2_matches_one_process(tmp_path):
-    (tmp_path / "single").mkdir()
-    single = in_this_process(muon_worker.run, str(tmp_path / "single"), 1, "auto")
-    run_lightning_script(HERE / "muon_worker.py", tmp_path, 2, "fsdp2", timeout=300)
-    for rank in read_ranks(tmp_path, "muon", 2):
+def test_muon_under_fsdp2_matches_one_process(launched):
+    single = in_this_process(muon_worker.fit_run, "auto", 1)["losses"]
+    for rank in launched(WORKER, 2)["fsdp2"]:
         assert len(rank["losses"]) == muon_worker.STEPS
         assert rank["losses"] == pytest.approx(single, abs=5e-4)

@@ -6,7 +6,6 @@ every rank). Splitting and bad input: in process, no ranks launched."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -14,28 +13,21 @@ import torch
 import torch.nn as nn
 
 import pp_worker as worker
-from dist_utils import in_this_process, read_ranks, run_lightning_script
+from dist_utils import in_this_process
 from lightning_disttrain.module import GPTModule
 from lightning_disttrain.parallel.pipeline import PipelineOptions, PipelinePlan, split_blocks, split_model, stage_ids
 from lightning_disttrain.strategies import NDParallelStrategy
 
-HERE = Path(__file__).parent
 TWO = ["pp2_gpipe_accum", "pp2_1f1b", "pp2_interleaved", "pp2_zbv"]
 FOUR = ["pp2_fsdp2", "pp2_tp2"]
 EIGHT = ["pp2_fsdp2_tp2"]
+WORKER, LAUNCH = "pp_worker", {2: TWO, 4: FOUR, 8: EIGHT}  # launched by conftest.py
 TOL = 1e-5
 
 
-def _launch(tmp_path_factory, devices, runs):
-    out = tmp_path_factory.mktemp(f"pp{devices}")
-    run_lightning_script(HERE / "pp_worker.py", out, devices, *runs, timeout=900)
-    return {run: read_ranks(out, run, devices) for run in runs}
-
-
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return {**_launch(tmp_path_factory, 2, TWO), **_launch(tmp_path_factory, 4, FOUR),
-            **_launch(tmp_path_factory, 8, EIGHT)}
+def ranks(launched):
+    return {**launched(WORKER, 2), **launched(WORKER, 4), **launched(WORKER, 8)}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +60,24 @@ def test_stage_layouts(ranks):
     assert "stage 0 (blocks 0-0), stage 2 (blocks 2-2)" in ranks["pp2_interleaved"][0]["parallelized_steps"][0]
     assert "stage 0 (blocks 0-0), stage 3 (blocks 3-3)" in ranks["pp2_zbv"][0]["parallelized_steps"][0]  # a V
     assert [r["sampler"] for r in ranks["pp2_fsdp2"]] == [{"num_replicas": 2, "rank": i % 2} for i in range(4)]
+
+
+@pytest.mark.slow
+def test_checkpointing_compile_and_mfu_inside_stages(ranks):
+    # the transforms run on each rank's stages only, under the unsplit block indices
+    assert [r["checkpointed"] for r in ranks["pp2_1f1b"]] == [[0, 1], [2, 3]]
+    assert [r["checkpointed"] for r in ranks["pp2_zbv"]] == [[0, 3], [1, 2]]  # a V: stages 0 and 3 on rank 0
+    assert [r["compiled_blocks"] for r in ranks["pp2_1f1b"]] == [2, 2]
+    # MFUMonitor counts the global batch's tokens once (data-parallel ranks, not stages) and the
+    # whole model's FLOPs per token, whatever stage a rank holds.
+    whole = worker.PPGPT()
+    whole.configure_model()
+    for r in ranks["pp2_fsdp2"]:
+        mfu = r["mfu"]
+        assert mfu["tokens_per_step"] == pytest.approx(worker.GLOBAL_BATCH * worker.SEQ, rel=1e-6)
+        (flops_per_token,) = mfu["flops_per_token"].values()
+        assert mfu["flops_per_step"] == pytest.approx(flops_per_token * worker.GLOBAL_BATCH * worker.SEQ, rel=1e-6)
+        assert flops_per_token == whole.flops_per_token(worker.SEQ)
 
 
 # ---- splitting, in process -------------------------------------------------------------------

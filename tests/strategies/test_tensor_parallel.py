@@ -6,23 +6,22 @@ Bad input: in process, no ranks launched."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
 import tp_worker as worker
-from dist_utils import in_this_process, read_ranks, run_lightning_script
+from dist_utils import in_this_process
 from lightning_disttrain.module import GPTModule
 from lightning_disttrain.strategies import NDParallelStrategy
 
-HERE = Path(__file__).parent
 RUNS = ["tp2", "tp2_nosp", "tp2_nolp", "tp2_variant", "tp2_sac", "tp2_fullac", "tp2_float8", "tp2_mixer",
         "tp2_compile"]
 BASELINE = {"tp2": "single", "tp2_nosp": "single", "tp2_nolp": "single", "tp2_variant": "single_variant",
             "tp2_sac": "single", "tp2_fullac": "single", "tp2_float8": "single_float8", "tp2_mixer": "single_mixer",
             "tp2_compile": "single"}
+WORKER, LAUNCH = "tp_worker", {2: RUNS}  # launched by conftest.py
 TOL = 1e-5
 FLOAT8_TOL = 1e-3
 """float8 (emulated on CPU) under TP vs one process: the same casts, scales from the same amax
@@ -31,10 +30,8 @@ FLOAT8_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_two")
-    run_lightning_script(HERE / "tp_worker.py", out, 2, *RUNS, timeout=600)
-    return {run: read_ranks(out, run, 2) for run in RUNS}
+def two(launched):
+    return launched(WORKER, 2)
 
 
 @pytest.fixture(scope="module")

@@ -21,17 +21,21 @@ MICRO_BATCH = 2
 N_SAMPLES = 4096
 
 
-def build_strategy(async_save: bool = False, tp: int = 1) -> NDParallelStrategy:
-    return NDParallelStrategy(async_save=async_save, tp=tp)
+def build_strategy(async_save: bool = False, tp: int = 1, pp: int = 1) -> NDParallelStrategy:
+    # pp=2: 1F1B over the 2 ranks, each batch of MICRO_BATCH split into 2 micro-batches
+    pipeline = dict(pp=pp, pp_schedule="1F1B", pp_microbatches=2) if pp > 1 else {}
+    return NDParallelStrategy(async_save=async_save, tp=tp, **pipeline)
 
 
 def strategy_kind(strategy) -> str:
     return type(strategy).__name__
 
 
-def build_module(total_steps: int = 12) -> GPTModule:
+def build_module(total_steps: int = 12, untied: bool = False) -> GPTModule:
     # dropout > 0 so that RNG restore matters; an LR schedule so that scheduler restore matters.
-    return GPTModule(config="tiny", vocab_size=VOCAB, model_overrides={"dropout": 0.1}, lr=3e-3,
+    # untied: the pipeline-parallel jobs (the first and the last stage cannot share a weight)
+    overrides = {"dropout": 0.1, **({"tie_embeddings": False} if untied else {})}
+    return GPTModule(config="tiny", vocab_size=VOCAB, model_overrides=overrides, lr=3e-3,
                      schedule="cosine", warmup_steps=3, max_steps=total_steps)
 
 
@@ -74,15 +78,16 @@ def build_data(data_dir: str):
 # ---- recording ---------------------------------------------------------------------------------
 
 
-def full_state(module, optimizers) -> dict:
-    """Full (gathered) model and optimizer state; collective, complete on rank 0."""
+def full_state(module, optimizers, this_stage: bool = False) -> dict:
+    """Full (gathered) model and optimizer state; collective, complete on rank 0. ``this_stage``
+    (pipeline parallel): every rank returns the whole tensors of the stage it holds instead."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=not this_stage)
     return {"model": get_model_state_dict(module, options=opts),
             "optimizers": [get_optimizer_state_dict(module, unwrap_optimizer(o), options=opts) for o in optimizers]}
 
@@ -101,6 +106,37 @@ def probe_logits(module) -> torch.Tensor:
     logits = module(probe_input().to(module.device)).float().cpu()
     module.train(was_training)
     return logits
+
+
+def _pp(trainer) -> int:
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    return dims.pp if dims is not None else 1
+
+
+def save_state(trainer, module, path: Path) -> None:
+    """The full state to ``path`` (rank 0); under pipeline parallel each rank writes its stage's
+    to ``path.rankR.pt`` (``merge_stage_states`` joins them)."""
+    if _pp(trainer) > 1:
+        state = full_state(module, trainer.optimizers, this_stage=True)
+        torch.save(state, path.with_suffix(f".rank{trainer.global_rank}.pt"))
+        return
+    state = full_state(module, trainer.optimizers)
+    if trainer.is_global_zero:
+        torch.save(state, path)
+
+
+def merge_stage_states(paths: list[Path]) -> dict:
+    """One full state from the per-stage files ``save_state`` wrote (``paths`` in stage order): the
+    union of the model tensors and optimizer states; parameter groups with the union of their FQNs."""
+    parts = [torch.load(p, weights_only=False) for p in paths]
+    model = {k: v for part in parts for k, v in part["model"].items()}
+    optimizers = []
+    for opts in zip(*(part["optimizers"] for part in parts)):
+        # stage after stage: the unsplit model's order, for one stage per rank
+        groups = [dict(group, params=list(dict.fromkeys(fqn for o in opts for fqn in o["param_groups"][g]["params"])))
+                  for g, group in enumerate(opts[0]["param_groups"])]
+        optimizers.append({"state": {k: v for o in opts for k, v in o["state"].items()}, "param_groups": groups})
+    return {"model": model, "optimizers": optimizers}
 
 
 class Recorder(L.Callback):
@@ -132,9 +168,7 @@ class Recorder(L.Callback):
             if trainer.is_global_zero:
                 torch.save(logits, self.start_logits_to)
         if self.dump_state_to is not None:  # what the checkpoint restored, before any step
-            state = full_state(pl_module, trainer.optimizers)
-            if trainer.is_global_zero:
-                torch.save(state, self.dump_state_to)
+            save_state(trainer, pl_module, self.dump_state_to)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -147,9 +181,7 @@ class Recorder(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.full_state_to is not None:
-            state = full_state(pl_module, trainer.optimizers)
-            if trainer.is_global_zero:
-                torch.save(state, self.full_state_to)
+            save_state(trainer, pl_module, self.full_state_to)
         if self.logits_to is not None:
             logits = probe_logits(pl_module)
             if trainer.is_global_zero:

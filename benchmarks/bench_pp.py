@@ -1,0 +1,438 @@
+"""Pipeline parallel on CPU ranks (gloo): the bubble per schedule, activation memory 1F1B vs GPipe,
+and throughput through ``L.Trainer`` against a hand-written ``torch.distributed.pipelining`` loop.
+
+    python benchmarks/bench_pp.py [--part all|bubble|memory|throughput]
+
+1. Bubble. Each rank times the compute torch's stages run (``forward_one_chunk``,
+   ``backward_one_chunk``, ``backward_weight_one_chunk``: wall clock around each call) and the
+   whole schedule step; idle = 1 - compute / step, per rank, median over the timed steps, then
+   the mean over ranks. Every micro-batch holds the same samples (``--mb-size``), so m micro-batches
+   are m times the work. Theory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for the
+   interleaved schedule with v stages per rank (Megatron's bubble over the pipeline's total time);
+   ZBVZeroBubble has none in theory when forward, input-gradient and weight-gradient cost the same,
+   which they do not here (printed without a theory column). What counts as idle: waiting on a
+   neighbour, the sends and receives themselves, the loss, the schedule's own Python. p=4 runs
+   4 ranks on this machine's 2 cores: ranks share a core, so their compute timings stretch; read
+   those rows as indicative only.
+2. Activation memory per stage, GPipe vs 1F1B (p=2, m=8): the malloc peak over one schedule step
+   minus the level before it (``memcount.so``, every thread; ``memory_meter.ProcessMeter``).
+   GPipe runs every forward before any backward, so stage s holds m micro-batches of activations;
+   1F1B holds at most p - s. The ratio GPipe/1F1B is expected near m/(p-s): 4 on stage 0, 8 on
+   stage 1 (the logits of a micro-batch count there too).
+3. Throughput: ``L.Trainer(strategy=NDParallelStrategy(pp=2, pp_schedule="1F1B"))`` vs a hand
+   loop over the same model: each rank deletes the blocks it does not run, wraps its part in a
+   ``PipelineStage``, steps ``Schedule1F1B``, clips by the norm over both stages (one all-reduce),
+   AdamW, the same LR schedule; and that loop with FSDP2 on each rank's 1-rank data-parallel mesh,
+   which is what ours runs at dp=1 (it separates FSDP's cost from the rest of ours). Interleaved
+   repeats, order rotated each round; losses compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench_common import REPO, launch, load1, spread
+
+OUT = REPO / "benchmarks" / "out" / "pp"
+OURS = "ours: L.Trainer + NDParallelStrategy(pp=2)"
+HAND = "hand-written PipelineStage + Schedule1F1B loop"
+HAND_FSDP = "the hand loop + FSDP2 on each rank's 1-rank mesh"
+SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
+
+
+def model_kwargs(args) -> dict:
+    return dict(n_layer=args.layers, n_embd=args.n_embd, n_head=args.n_head, n_kv_head=args.n_head,
+                mlp_hidden=4 * args.n_embd, block_size=args.seq, tie_embeddings=False, vocab_size=args.vocab)
+
+
+def gpt_module(args, total_steps: int):
+    from lightning_disttrain.module import GPTModule
+
+    kw = model_kwargs(args)
+    vocab = kw.pop("vocab_size")
+    return GPTModule("tiny", vocab_size=vocab, model_overrides=kw, lr=1e-3, weight_decay=0.1, warmup_steps=2,
+                     max_steps=total_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1 + 2. the schedule alone: bubble and activation memory
+
+
+class StageClock:
+    """Wall time inside the stages' compute calls (class-level wrappers, this benchmark only)."""
+
+    def __init__(self) -> None:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        self.busy = 0.0
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            original = getattr(_PipelineStageBase, name)
+
+            def timed(stage, *a, __original=original, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return __original(stage, *a, **kw)
+                finally:
+                    self.busy += time.perf_counter() - t0
+
+            setattr(_PipelineStageBase, name, timed)
+
+
+def _runner(args, schedule: str, v: int, m: int, pp_group, rank: int, world: int):
+    import torch
+
+    from lightning_disttrain.parallel.pipeline import (
+        PipelineOptions,
+        PipelineRunner,
+        split_blocks,
+        split_model,
+        stage_ids,
+    )
+
+    torch.manual_seed(0)
+    module = gpt_module(args, 10)
+    module.configure_model()
+    plan = module.parallel_plan()
+    options = PipelineOptions(schedule, microbatches=m, stages_per_rank=v if v > 1 else None)
+    n_stages = options.num_stages(world)
+    ranges = split_blocks(args.layers, n_stages)
+    local = stage_ids(rank, world, options)
+    modules = split_model(plan.pipeline, plan.blocks, ranges, local)
+    runner = PipelineRunner(modules, local, n_stages, options, world, pp_group, torch.device("cpu"))
+    return module, runner, [list(r) for r in ranges]
+
+
+def _loss(module):
+    import torch.nn.functional as F
+
+    def loss(logits, target):
+        return F.cross_entropy(logits[..., :module.config.vocab_size].float().flatten(0, 1), target.flatten())
+
+    return loss
+
+
+def schedule_worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    clock = StageClock()
+    g = torch.Generator().manual_seed(0)
+    results = []
+    meter = None
+    if args.worker == "memory":
+        from memory_meter import ProcessMeter
+
+        meter = ProcessMeter()
+        meter.start()
+    cases = [(s, v, m) for s, v in SCHEDULES for m in args.ms] if args.worker == "bubble" else \
+        [(s, 1, args.mem_m) for s in ("GPipe", "1F1B")]
+    for schedule, v, m in cases:
+        if m < v * world:
+            results.append({"schedule": schedule, "v": v, "m": m, "skipped": f"m < {v * world} stages"})
+            continue
+        module, runner, ranges = _runner(args, schedule, v, m, None, rank, world)
+        x = torch.randint(0, args.vocab, (m * args.mb_size, args.seq), generator=g)
+        y = torch.randint(0, args.vocab, (m * args.mb_size, args.seq), generator=g)
+        loss = _loss(module)
+        idle, peaks = [], []
+        for step in range(args.warmup + args.timed):
+            for p in module.parameters():  # gradients stay allocated after the first step: the
+                if p.grad is not None:       # peaks below are activations (and their temporaries)
+                    p.grad.zero_()
+            gc.collect()
+            dist.barrier()
+            clock.busy = 0.0
+            if meter is not None:
+                meter.begin_window(f"{schedule}.{step}")
+            t0 = time.perf_counter()
+            runner.run(x, y, loss, train=True)
+            wall = time.perf_counter() - t0
+            if meter is not None:
+                meter.end_window(f"{schedule}.{step}")
+                peaks.append(meter.peaks[f"{schedule}.{step}"] - meter.levels[f"{schedule}.{step}:begin"])
+            if step >= args.warmup:
+                idle.append({"wall": wall, "busy": clock.busy})
+        results.append({"schedule": schedule, "v": v, "m": m, "steps": idle, "peaks": peaks, "ranges": ranges})
+        del module, runner
+    (OUT / f"{args.worker}_p{world}.rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def theory(schedule: str, v: int, m: int, p: int) -> float | None:
+    if schedule in ("GPipe", "1F1B"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "Interleaved1F1B":
+        return (p - 1) / (v * m + p - 1)
+    return None
+
+
+def report_bubble(worlds: list[int]) -> str:
+    lines = ["Bubble: idle fraction of the schedule step = 1 - (time in the stages' forward/backward calls) / "
+             "(step time); median over the timed steps per rank, then mean (min-max) over ranks",
+             f"{'p':>2} {'schedule':16} {'v':>2} {'m':>3} {'measured':>9} {'ranks min-max':>14} {'theory':>7} "
+             f"{'step s':>7}"]
+    for p in worlds:
+        per_rank = [json.loads((OUT / f"bubble_p{p}.rank{r}.json").read_text()) for r in range(p)]
+        for i, case in enumerate(per_rank[0]):
+            if "skipped" in case:
+                lines.append(f"{p:>2} {case['schedule']:16} {case['v']:>2} {case['m']:>3}   ({case['skipped']})")
+                continue
+            fr = [statistics.median(1 - s["busy"] / s["wall"] for s in rr[i]["steps"]) for rr in per_rank]
+            wall = statistics.median(s["wall"] for s in per_rank[0][i]["steps"])
+            t = theory(case["schedule"], case["v"], case["m"], p)
+            lines.append(f"{p:>2} {case['schedule']:16} {case['v']:>2} {case['m']:>3} {statistics.mean(fr):9.3f} "
+                         f"{min(fr):6.3f}-{max(fr):.3f} {'' if t is None else f'{t:.3f}':>7} {wall:7.3f}")
+    return "\n".join(lines)
+
+
+def report_memory(p: int) -> str:
+    per_rank = [json.loads((OUT / f"memory_p{p}.rank{r}.json").read_text()) for r in range(p)]
+    m = per_rank[0][0]["m"]
+    lines = [f"Activation memory per stage, p={p}, m={m}: malloc peak during one schedule step minus the level "
+             f"before it (MiB); median over the timed steps (min-max)",
+             f"{'stage':>5} {'GPipe':>16} {'1F1B':>16} {'GPipe/1F1B':>10} {'expected m/(p-s)':>16}"]
+    for r in range(p):
+        by = {c["schedule"]: [x / 2**20 for x in c["peaks"][-len(c["steps"]):]] for c in per_rank[r]}
+        g, o = statistics.median(by["GPipe"]), statistics.median(by["1F1B"])
+        lines.append(f"{r:>5} {g:7.1f} ({min(by['GPipe']):.0f}-{max(by['GPipe']):.0f}) {o:7.1f} "
+                     f"({min(by['1F1B']):.0f}-{max(by['1F1B']):.0f}) {g / o:10.2f} {m / (p - r):16.1f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. throughput
+
+
+def throughput_worker(args) -> None:
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from bench_common import dataset, trainer
+    from lightning_disttrain.optim import build_optimizer, build_scheduler
+    from lightning_disttrain.strategies import NDParallelStrategy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # the strategy finds it initialised and keeps it
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = args.warmup + args.steps
+    ds = dataset(args, total * args.batch)  # one pipeline: both ranks read every batch
+
+    class Timer(L.Callback):
+        def __init__(self):
+            self.marks, self.losses = [], []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == args.warmup:
+                self.marks.append(time.perf_counter())
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx >= args.warmup:
+                self.marks.append(time.perf_counter())
+            self.losses.append(float(outputs["loss"]))
+
+    def ours():
+        L.seed_everything(0)
+        timer = Timer()
+        strategy = NDParallelStrategy(pp=world, pp_schedule="1F1B", pp_microbatches=args.microbatches)
+        trainer(strategy, total, [timer]).fit(gpt_module(args, total),
+                                              DataLoader(ds, batch_size=args.batch, shuffle=False))
+        return [b - a for a, b in itertools.pairwise(timer.marks)], timer.losses
+
+    def hand(fsdp: bool = False):
+        torch.manual_seed(0)
+        ref = gpt_module(args, total)  # its config and hyper-parameters; the same initial weights
+        ref.configure_model()
+        hp, model = ref.hparams, ref.model
+        per = args.layers // world
+        keep = set(range(rank * per, (rank + 1) * per))
+        for key in [k for k in model.blocks.keys() if int(k) not in keep]:
+            del model.blocks[key]
+        if rank > 0:
+            model.wte, model.wpe = None, None
+        if rank < world - 1:
+            model.ln_f, model.lm_head = None, None
+        if fsdp:  # what ours does at dp=1 (every block and the stage root, no resharding after forward)
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            dp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp_shard"))["dp_shard"]
+            for block in model.blocks.values():
+                fully_shard(block, mesh=dp, reshard_after_forward=False)
+            fully_shard(model, mesh=dp, reshard_after_forward=False)
+        stage = PipelineStage(model, rank, world, torch.device("cpu"))
+
+        def loss_fn(logits, target):  # over the real vocabulary (the head's padding rows cut off)
+            logits = logits[..., :args.vocab].float()
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()) / args.microbatches
+
+        schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)
+        params = [p for p in model.parameters()]
+        opt = build_optimizer(model, "adamw", lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas),
+                              eps=hp.eps)
+        sched = build_scheduler(opt, schedule=hp.schedule, warmup_steps=hp.warmup_steps, total_steps=total,
+                                min_lr_ratio=hp.min_lr_ratio, decay_fraction=hp.decay_fraction)
+        # the batches Lightning feeds ours: its DistributedSampler over the 1 data-parallel rank
+        loader = DataLoader(ds, batch_size=args.batch,
+                            sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))
+        marks, losses = [], []
+        for i, (x, y) in enumerate(loader):
+            if i == args.warmup:
+                marks.append(time.perf_counter())
+            out = []
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=out)
+            loss = torch.stack(out).sum() if out else torch.zeros(())
+            dist.broadcast(loss, src=world - 1)  # the loss to every rank, as ours logs it
+            losses.append(float(loss))
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+            sq = torch.stack([g.pow(2).sum() for g in grads]).sum()
+            dist.all_reduce(sq)  # the norm over both stages; then clip as clip_grads_with_norm_ does
+            coef = (1.0 / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= args.warmup:
+                marks.append(time.perf_counter())
+        return [b - a for a, b in itertools.pairwise(marks)], losses
+
+    variants = {OURS: ours, HAND: hand, HAND_FSDP: lambda: hand(fsdp=True)}
+    names = list(variants)
+    steps = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    rounds = []
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        rounds.append({"order": order, "load1_before": load1()})
+        for name in order:
+            gc.collect()
+            dist.barrier()
+            ts, loss = variants[name]()
+            steps[name].append(ts)
+            losses[name].append(loss)
+        if rank == 0:
+            print(f"round {r} done, load {load1():.2f}", flush=True)
+    if rank == 0:
+        (OUT / "throughput.json").write_text(json.dumps(
+            {"steps": steps, "losses": losses, "rounds": rounds, "tokens_per_step": args.batch * args.seq,
+             "args": vars(args)}))
+
+
+def report_throughput() -> str:
+    data = json.loads((OUT / "throughput.json").read_text())
+    a = data["args"]
+    per_rep = {k: [sum(v) / len(v) for v in reps] for k, reps in data["steps"].items()}
+    ours = per_rep[OURS]
+    lines = [(f"Throughput on 2 ranks, pp=2 1F1B, {a['microbatches']} micro-batches ({a['layers']} layers, n_embd "
+              f"{a['n_embd']}, vocab {a['vocab']}, seq {a['seq']}, batch {a['batch']}; {a['steps']} timed steps after "
+              f"{a['warmup']} warm-up, {a['repeats']} interleaved repeats, order rotated each round; rank 0)"),
+             "s/step = mean over one repeat's timed steps; min / median / max over the repeats",
+             f"{'variant':48} {'s/step min':>10} {'median':>7} {'max':>7} {'tok/s best':>10}"]
+    for name, ts in per_rep.items():
+        lines.append(f"{name:48} {min(ts):10.3f} {statistics.median(ts):7.3f} {max(ts):7.3f}"
+                     f" {data['tokens_per_step'] / min(ts):10.0f}")
+    lines += ["", "ratio = the other variant's s/step / ours (>= 1: ours as fast or faster)"]
+    for name in (HAND, HAND_FSDP):
+        other = per_rep[name]
+        per_round = [h / t for h, t in zip(other, ours)]
+        lines.append(f"  vs {name}: best-of {min(other) / min(ours):.3f}, median "
+                     f"{statistics.median(other) / statistics.median(ours):.3f}; per round min median max: "
+                     f"{spread(per_round)}")
+    short = {OURS: "ours", HAND: "hand", HAND_FSDP: "hand+fsdp"}
+    lines += ["  order in each round: " + " | ".join("+".join(short[n] for n in r["order"]) for r in data["rounds"]),
+              "  1-min load average before each round: " + " ".join(f"{r['load1_before']:.2f}" for r in data["rounds"])]
+    fl = data["losses"]
+    gap = max(abs(x - y) for name in (HAND, HAND_FSDP) for o, h in zip(fl[OURS], fl[name]) for x, y in zip(o, h))
+    lines.append(f"  losses, repeat 0: ours {' '.join(f'{x:.4f}' for x in fl[OURS][0])}")
+    lines.append(f"                    hand {' '.join(f'{x:.4f}' for x in fl[HAND][0])}")
+    lines.append(f"  (ours vs either hand loop differ by at most {gap:.2e} at any step of any repeat)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=["all", "bubble", "memory", "throughput"], default="all")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=257)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--mb-size", type=int, default=2, help="bubble/memory: samples per micro-batch")
+    p.add_argument("--ms", default="2,4,8", help="bubble: micro-batch counts")
+    p.add_argument("--worlds", default="2,4", help="bubble: pipeline degrees (= ranks)")
+    p.add_argument("--mem-m", type=int, default=8, help="memory: micro-batches")
+    p.add_argument("--timed", type=int, default=5, help="bubble/memory: timed schedule steps per case")
+    p.add_argument("--batch", type=int, default=8, help="throughput: samples per step")
+    p.add_argument("--microbatches", type=int, default=4, help="throughput: micro-batches per step")
+    p.add_argument("--steps", type=int, default=10, help="throughput: timed steps per repeat")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--repeats", type=int, default=5, help="throughput: interleaved rounds")
+    p.add_argument("--worker", choices=["bubble", "memory", "throughput"], help=argparse.SUPPRESS)
+    p.add_argument("--nprocs", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.ms = [int(m) for m in str(args.ms).split(",")]
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args.worker in ("bubble", "memory"):
+        return schedule_worker(args)
+    if args.worker == "throughput":
+        return throughput_worker(args)
+
+    common = ["--layers", str(args.layers), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
+              "--vocab", str(args.vocab), "--seq", str(args.seq), "--warmup", str(args.warmup)]
+    import torch
+
+    print(f"# bench_pp {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+          f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, gloo, one thread per rank")
+    print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"# 1-min load average at start: {load1():.2f}\n", flush=True)
+    worker = str(Path(__file__).resolve())
+    sched_args = [*common, "--mb-size", str(args.mb_size), "--timed", str(args.timed)]
+    if args.part in ("all", "bubble"):
+        t0 = time.perf_counter()
+        worlds = [int(w) for w in args.worlds.split(",")]
+        for world in worlds:
+            launch(worker, OUT, world, f"bubble_p{world}",
+                   ["--worker", "bubble", *sched_args, "--ms", ",".join(map(str, args.ms))])
+        print(report_bubble(worlds))
+        print(f"# bubble part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}\n", flush=True)
+    if args.part in ("all", "memory"):
+        from memory_meter import build_memcount
+
+        t0 = time.perf_counter()
+        memcount = build_memcount(OUT)
+        if memcount is None:
+            raise SystemExit("the memory part needs a C compiler (cc) to build benchmarks/memcount.c")
+        env = {"LD_PRELOAD": memcount, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+        launch(worker, OUT, 2, "memory_p2", ["--worker", "memory", *sched_args, "--mem-m", str(args.mem_m)],
+               extra_env=env)
+        print(report_memory(2))
+        print(f"# memory part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}\n", flush=True)
+    if args.part in ("all", "throughput"):
+        t0 = time.perf_counter()
+        launch(worker, OUT, 2, "throughput",
+               ["--worker", "throughput", *common, "--batch", str(args.batch), "--microbatches",
+                str(args.microbatches), "--steps", str(args.steps), "--repeats", str(args.repeats)], timeout=1500)
+        print(report_throughput())
+        print(f"# throughput part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}")
+
+
+if __name__ == "__main__":
+    main()

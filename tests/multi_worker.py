@@ -1,0 +1,34 @@
+"""Training runs of several test workers in one launch: one process per rank.
+
+    python multi_worker.py OUT_DIR DEVICES WORKER:RUN [WORKER:RUN ...]
+
+Each WORKER is a module in tests/strategies or tests/callbacks with ``fit_run(run, devices) ->
+dict`` (fsdp2_worker, tp_worker, pp_worker, callbacks_worker, ...). ``L.Trainer(devices=DEVICES)``
+in the first run re-launches this script on the other ranks (Lightning's subprocess launcher); every later run reuses those
+processes and their process group, so the suite pays Python's and Lightning's start-up once per
+world size instead of once per worker. Each rank writes ``OUT_DIR/WORKER.RUN.rankR.json``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE / "strategies"), str(HERE / "callbacks")]
+import torch.distributed as dist  # noqa: E402
+
+from dist_utils import write_rank_json  # noqa: E402
+
+
+def main() -> None:
+    out_dir, devices, jobs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    for job in jobs:
+        worker, run = job.split(":")
+        result = importlib.import_module(worker).fit_run(run, devices)
+        write_rank_json(out_dir, f"{worker}.{run}", dist.get_rank() if dist.is_initialized() else 0, result)
+
+
+if __name__ == "__main__":
+    main()
