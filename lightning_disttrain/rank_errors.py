@@ -198,7 +198,10 @@ class RunErrors:
             # Launched ranks that failed stay alive until stopped, so each running one owes a record.
             children_done = len({r.rank for r in records} - {my_rank}) >= len(running)
             mine_done = any(r.rank == my_rank for r in records)
-            if (children_done and (mine_done or first_primary is not None)) or \
+            # Rank 0's own record too: from the watcher thread, rank 0's main thread may be about
+            # to fail the same way (every rank raising in one hook, rank 0 a little later because
+            # it prepared the data): it gets the primary grace period to say so.
+            if (children_done and mine_done) or \
                     (first_primary is not None and now - first_primary > PRIMARY_GRACE_S) or \
                     now - start > SECONDARY_GRACE_S:
                 return records or ([own] if own is not None else [])
