@@ -3,7 +3,8 @@
 ``fit | validate | test | predict --config X.yaml`` go through ``LightningCLI``: the model, data,
 strategy, loggers and callbacks are chosen by ``class_path`` (or a registered strategy name such
 as ``fsdp2``) in the YAML. ``prepare`` tokenizes text into llm.c shards; ``export`` writes a
-consolidated single-file state dict from a sharded checkpoint.
+consolidated single-file state dict from a sharded checkpoint, or a Hugging Face model directory
+(``--format hf``).
 
 Errors: a class that refuses its configuration is reported as one line naming the config key
 (``error: trainer.strategy: NDParallelStrategy(pp=2) is not supported yet: ...``); an error during
@@ -29,7 +30,7 @@ from lightning_disttrain.rank_errors import ENV_TRACEBACK, RunErrors
 _TOOLS = {
     "prepare": ("lightning_disttrain.data.prepare", "prepare_main", "tokenize text into llm.c .bin shards"),
     "export": ("lightning_disttrain.checkpoint.consolidate", "export_main",
-               "export a sharded checkpoint as one consolidated state-dict file"),
+               "export a sharded checkpoint as one state-dict file, or as Hugging Face (--format hf)"),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -15,10 +16,25 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_disttrain.models.gpt import GPT, GPTConfig
+from lightning_disttrain.models.hf import load_hf_weights_
+from lightning_disttrain.models.hf_config import check_compatible, config_from_hf_dir
 from lightning_disttrain.optim import SCHEDULES, build_optimizer, build_scheduler
+from lightning_disttrain.parallel.materialize import has_meta_tensors
 from lightning_disttrain.parallel.pipeline import PipelinePlan
 from lightning_disttrain.parallel.plan import ParallelPlan
 from lightning_disttrain.parallel.tensor import vocabulary_padding_bias
+
+
+def _config_from_hf(init_from: str, preset: str, overrides: dict[str, Any]) -> GPTConfig:
+    """The config of a Hugging Face checkpoint, with the overrides that change no weight. A preset
+    other than the default must describe the same model."""
+    source = config_from_hf_dir(init_from)
+    config = GPTConfig(**{**asdict(source), **overrides})
+    where = f"init_from={init_from!r} (its config.json)"
+    check_compatible(config, source, where=where)
+    if preset != "tiny":
+        check_compatible(GPTConfig.from_name(preset, **overrides), source, where=where)
+    return config
 
 
 class Perplexity(MeanMetric):
@@ -46,6 +62,13 @@ class GPTModule(L.LightningModule):
             host; a lightning-disttrain strategy then shards and materialises it. None builds on
             whatever device the strategy's init context selects.
         tokenizer_name: tokenizer for ``generate`` on strings; defaults to the data module's.
+        init_from: a Hugging Face model directory (GPT-2 or Llama family: ``config.json`` +
+            ``model.safetensors`` or ``pytorch_model.bin``) to start from. Its config.json decides
+            the architecture (leave ``config`` at its default, or give one that agrees);
+            ``model_overrides`` may change only ``dropout``, ``block_size``, ``pad_vocab_multiple``,
+            ``init_std``. The weights replace the random initialisation under every strategy, also
+            on the meta device (each rank then reads only its shards). Loading a checkpoint of such a
+            run needs no Hugging Face files: ``load_from_checkpoint(path, init_from=None)``.
     """
 
     def __init__(
@@ -67,12 +90,15 @@ class GPTModule(L.LightningModule):
         decay_fraction: float = 0.2,
         init_device: str | None = None,
         tokenizer_name: str | None = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         overrides = dict(model_overrides or {})
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
-        if isinstance(config, GPTConfig):
+        if init_from is not None and not isinstance(config, (GPTConfig, dict)):
+            self.config = _config_from_hf(str(init_from), config, overrides)
+        elif isinstance(config, GPTConfig):
             self.config = GPTConfig(**{**asdict(config), **overrides})
         elif isinstance(config, dict):  # as stored in a checkpoint's hyper-parameters
             self.config = GPTConfig(**{**config, **overrides})
@@ -84,6 +110,8 @@ class GPTModule(L.LightningModule):
             raise ValueError(f"init_device={init_device!r}; use None, 'meta', 'cpu' or 'cuda'")
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = asdict(self.config)
+        if init_from is not None:
+            self.hparams["init_from"] = str(init_from)
         self.model: GPT | None = None
         # Logged as Metric objects: Lightning computes them at epoch end (torchmetrics syncs the
         # ranks) and resets them, so no already-synced tensor is logged with sync_dist=False.
@@ -114,6 +142,8 @@ class GPTModule(L.LightningModule):
                 self.model = GPT(self.config)
         else:
             self.model = GPT(self.config)
+        if self.hparams.get("init_from") is not None and not has_meta_tensors(self.model):
+            self._load_init_from()  # on the meta device: init_weights loads, after materialisation
 
     def _adopt_data_vocab(self) -> None:
         # Without an explicit vocab_size the model takes the data module's tokenizer's, so a YAML
@@ -121,14 +151,31 @@ class GPTModule(L.LightningModule):
         if self.hparams.vocab_size is not None or self._trainer is None:
             return
         vocab = getattr(getattr(self._trainer, "datamodule", None), "vocab_size", None)
+        if self.hparams.get("init_from") is not None:  # the pretrained embedding decides the vocabulary
+            if vocab is not None and vocab > self.config.vocab_size:
+                raise ValueError(f"the data's tokenizer has {vocab} tokens, more than the {self.config.vocab_size} of "
+                                 f"init_from={self.hparams.init_from!r}; tokenize the data with that model's tokenizer")
+            return
         if vocab is not None and vocab != self.config.vocab_size:
             self.config = GPTConfig(**{**asdict(self.config), "vocab_size": int(vocab)})
             self.hparams["config"] = asdict(self.config)
             self.hparams["vocab_size"] = int(vocab)
 
     def init_weights(self) -> None:
-        """(Re)initialise all weights in place; strategies call it after materialising meta tensors."""
-        self.model.init_weights()
+        """(Re)initialise all weights in place; strategies call it after materialising meta tensors.
+        With ``init_from`` that is the Hugging Face weights (on sharded parameters: each rank's shards)."""
+        if self.hparams.get("init_from") is not None:
+            self._load_init_from()
+        else:
+            self.model.init_weights()
+
+    def _load_init_from(self) -> None:
+        path = self.hparams.init_from
+        if not os.path.isdir(path):
+            raise ValueError(f"init_from={path!r} does not exist. To load a checkpoint of a run that started from "
+                             f"it, pass init_from=None (GPTModule.load_from_checkpoint(ckpt, init_from=None), or "
+                             f"init_from: null in the YAML): the checkpoint holds the weights")
+        load_hf_weights_(self.model, path)
 
     def parallel_plan(self) -> ParallelPlan:
         from lightning_disttrain.models import gpt_tp

@@ -240,9 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lightning-disttrain export",
         description="Consolidate a lightning-disttrain checkpoint directory (DCP shards) into one "
-                    "torch.save file, for inference or sharing. Runs in one process.")
-    p.add_argument("ckpt_dir", help="checkpoint directory (or a directory of them with --latest)")
-    p.add_argument("out_file", help="output file, e.g. model.pt")
+                    "torch.save file, for inference or sharing, or (--format hf) into a Hugging Face "
+                    "model directory. Runs in one process.")
+    p.add_argument("ckpt_dir", help="checkpoint directory (or a directory of them with --latest); with "
+                                    "--format hf also a file written by export")
+    p.add_argument("out_file", help="output file, e.g. model.pt (with --format hf: a directory)")
+    p.add_argument("--format", choices=("torch", "hf"), default="torch",
+                   help="torch: one torch.save file (GPT.from_exported loads it); hf: config.json + "
+                        "model.safetensors (+ GPT-2's tokenizer files for its 50,257-token vocabulary) that "
+                        "transformers' from_pretrained loads, as GPT-2 or Llama (models/hf.py)")
     p.add_argument("--latest", action="store_true",
                    help="ckpt_dir is a directory of checkpoints: export the newest complete one")
     p.add_argument("--full", action="store_true",
@@ -256,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def export_main(argv: Sequence[str] | None = None) -> Path:
-    """``lightning-disttrain export CKPT_DIR OUT_FILE [--latest] [--full] ...``; returns the file written.
+    """``lightning-disttrain export CKPT_DIR OUT_FILE [--latest] [--full] [--format hf] ...``; returns
+    the file (with ``--format hf``: the directory) written.
 
     Prints which checkpoint it exported (real directory, global step, completion time), so that a
     link (``last.ckpt``) or ``--latest`` never leaves a doubt about which run and step went out.
@@ -277,6 +284,8 @@ def export_main(argv: Sequence[str] | None = None) -> Path:
     with warnings.catch_warnings():
         # DCP warns that it "assumes the intent" of a single-process load; that is the intent.
         warnings.filterwarnings("ignore", message=".*torch.distributed is.*uninitialized.*")
+        if args.format == "hf":
+            return _export_hf(args, ckpt_dir, via)
         out = export_consolidated(ckpt_dir, args.out_file, model_only=not args.full,
                                   prefix=None if args.keep_prefix else DEFAULT_PREFIX,
                                   verify=not args.no_verify,
@@ -284,6 +293,22 @@ def export_main(argv: Sequence[str] | None = None) -> Path:
     size = out.stat().st_size / 2**20
     print(f"exported {describe_checkpoint(ckpt_dir)}{via} -> {out} "
           f"({size:.1f} MiB{', model only' if not args.full else ''})")
+    return out
+
+
+def _export_hf(args: argparse.Namespace, source: Path, via: str) -> Path:
+    from lightning_disttrain.checkpoint.hf_export import export_hf
+
+    if args.full or args.keep_prefix:
+        raise SystemExit("--full and --keep-prefix apply to the torch format only; --format hf writes the model")
+    try:
+        out = export_hf(source, args.out_file, verify=not args.no_verify,
+                        dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 2**20
+    what = describe_checkpoint(source) if source.is_dir() else repr(str(source.resolve()))
+    print(f"exported {what}{via} -> {out} (Hugging Face format, {size:.1f} MiB)")
     return out
 
 

@@ -366,6 +366,17 @@ class GPT(nn.Module):
         model.trim_logits = True
         return model.eval()
 
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike, **overrides) -> GPT:
+        """The GPT in a Hugging Face model directory (``config.json`` + ``model.safetensors`` or
+        ``pytorch_model.bin``) of the GPT-2 or Llama family, ready for inference like
+        ``from_exported``: eval mode, the checkpoint's dtype, ``trim_logits`` set. ``overrides``:
+        the GPTConfig fields that change no weight (``dropout``, ``block_size``, ...). See ``models/hf.py``.
+        """
+        from lightning_disttrain.models.hf import gpt_from_hf
+
+        return gpt_from_hf(path, **overrides)
+
     def trim_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary only (a view when there is padding)."""
         V = self.config.vocab_size
