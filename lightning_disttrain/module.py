@@ -18,6 +18,7 @@ from torchmetrics import MeanMetric
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.models.hf import load_hf_weights_
 from lightning_disttrain.models.hf_config import check_compatible, config_from_hf_dir
+from lightning_disttrain.models.moe import moe_layers, update_moe_biases
 from lightning_disttrain.optim import SCHEDULES, build_optimizer, build_scheduler
 from lightning_disttrain.parallel.materialize import has_meta_tensors
 from lightning_disttrain.parallel.pipeline import PipelinePlan
@@ -50,7 +51,10 @@ class GPTModule(L.LightningModule):
     Args:
         config: a preset name (``"gpt2-124m"``, ``"small"``, ``"tiny"``, ...) or a ``GPTConfig``.
         vocab_size: overrides the config's vocabulary (the CLI links it to the data's tokenizer).
-        model_overrides: further ``GPTConfig`` fields, e.g. ``{"pos_emb": "rope", "norm": "rmsnorm"}``.
+        model_overrides: further ``GPTConfig`` fields, e.g. ``{"pos_emb": "rope", "norm": "rmsnorm"}``;
+            the ``moe_*`` fields make a mixture of experts (``{"moe_num_experts": 8, "moe_top_k": 2}``):
+            its auxiliary losses join the training loss, its balancing bias moves after each
+            optimizer step, and ``moe/layer{i}/...`` metrics are logged.
         optimizer: ``"adamw"`` or ``"muon"`` (Muon on the blocks' 2-D matrices, AdamW elsewhere).
         lr: AdamW peak learning rate. muon_lr: Muon's peak learning rate.
         weight_decay: applied to 2-D weights only.
@@ -123,6 +127,7 @@ class GPTModule(L.LightningModule):
         self._tokenizer = None
         self._last_step_time: float | None = None
         self._tok_per_s: float | None = None
+        self._moe_step: int | None = None  # global_step at the last balancing-bias update
 
     # ---- model construction -------------------------------------------------------------
 
@@ -218,7 +223,37 @@ class GPTModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return self._log_train(self.loss_fn(self(x), y), x)
+        loss = self._log_train(self.loss_fn(self(x), y), x)
+        return loss + self._moe_aux_loss() if self.config.moe_num_experts else loss
+
+    # ---- mixture of experts -------------------------------------------------------------
+
+    def _moe_aux_loss(self) -> torch.Tensor | float:
+        """The MoE blocks' weighted auxiliary losses of the last forward (0 when all are off);
+        logs each layer's unweighted losses and, with a capacity, its dropped assignments."""
+        for i, layer in moe_layers(self.model).items():
+            for name in ("balance_loss", "z_loss", "dropped_tokens"):
+                if getattr(layer, name) is not None:
+                    self.log(f"moe/layer{i}/{name}", getattr(layer, name).float(), on_step=True, on_epoch=False)
+        aux = self.model.moe_aux_loss
+        if aux is None:
+            return 0.0
+        self.log("train/moe_aux_loss", aux.detach(), on_step=True, on_epoch=False)
+        return aux
+
+    def _moe_after_batch(self) -> None:
+        # Once per optimizer step (global_step moved; with gradient accumulation after the step's
+        # last micro-batch), the balancing bias moves on the whole step's load, summed over the
+        # data-parallel ranks so that every replica keeps the same bias.
+        if self._moe_step == self.trainer.global_step:
+            return
+        self._moe_step = self.trainer.global_step
+        layers = moe_layers(self.model)
+        update_moe_biases(layers.values(), group=getattr(self.trainer.strategy, "dp_process_group", None))
+        for i, layer in layers.items():
+            metrics = layer.metrics()
+            self.log(f"moe/layer{i}/max_load_ratio", metrics["max_load_ratio"], on_step=True, on_epoch=False)
+            self.log(f"moe/layer{i}/bias_norm", metrics["bias_norm"], on_step=True, on_epoch=False)
 
     # Pipeline parallel (strategies/pipeline_steps.py): the strategy runs the schedule, the last
     # stage computes pipeline_loss per micro-batch, and these log what the steps above log.
@@ -248,6 +283,8 @@ class GPTModule(L.LightningModule):
             self._tok_per_s = rate if self._tok_per_s is None else 0.8 * self._tok_per_s + 0.2 * rate
             self.log("tok/s", self._tok_per_s, prog_bar=True, on_step=True, on_epoch=False, logger=False)
         self._last_step_time = now
+        if self.config.moe_num_experts:
+            self._moe_after_batch()
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None
@@ -301,6 +338,7 @@ class GPTModule(L.LightningModule):
             self._resumed_schedule_steps = checkpoint.get("schedule_steps")
 
     def on_train_start(self) -> None:
+        self._moe_step = self.trainer.global_step
         # Compared here, once both are known: strategies restore the checkpoint either before or
         # after configure_optimizers.
         old, new = self._resumed_schedule_steps, self._schedule_steps

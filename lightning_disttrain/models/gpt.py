@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_disttrain.models.moe import MoE, MoEConfig, active_params, check_gpt_moe_fields, moe_layers
+
 _MLPS = ("gelu", "swiglu", "relu2")
 _NORMS = ("layernorm", "rmsnorm")
 _POS = ("learned", "rope")
@@ -67,6 +69,29 @@ class GPTConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation; residual projections get
     ``init_std / sqrt(2 · n_layer)`` (GPT-2 paper, section 2.3)."""
+    # Mixture of experts (models/moe.py; the rest mirror MoEConfig's fields). Off by default.
+    moe_num_experts: int = 0
+    """Routed experts in each MoE block's feed-forward; 0: every block has a dense MLP."""
+    moe_top_k: int = 2
+    """Routed experts per token."""
+    moe_shared_experts: int = 0
+    """Always-on experts per MoE block, each ``moe_hidden`` wide."""
+    moe_hidden: int | None = None
+    """Hidden width of each expert; None: ``mlp_hidden``. Experts follow ``mlp``, without biases."""
+    moe_first_dense: int = 0
+    """Leading blocks that keep a dense MLP."""
+    moe_every: int = 1
+    """From block ``moe_first_dense`` on, every ``moe_every``-th block is MoE (1: each one)."""
+    moe_score: str = "softmax"
+    """Router score: ``softmax``, or ``sigmoid`` renormalised over the chosen experts (DeepSeek-V3)."""
+    moe_capacity_factor: float | None = None
+    """None: dropless; else per-expert capacity ``ceil(factor · tokens · top_k / experts)``, rest dropped."""
+    moe_bias_update_speed: float = 1e-3
+    """Auxiliary-loss-free balancing: bias step per optimizer step (0: off)."""
+    moe_aux_loss_coef: float = 0.0
+    """Weight of the sequence-wise balance loss added to the training loss (0: off)."""
+    moe_z_loss_coef: float = 0.0
+    """Weight of the router z-loss added to the training loss (0: off)."""
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -94,6 +119,21 @@ class GPTConfig:
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head size; n_embd/n_head = {self.head_dim}")
+        check_gpt_moe_fields(self)
+
+    def moe_config(self) -> MoEConfig:
+        """The ``MoEConfig`` of this GPT's MoE blocks (``moe_num_experts`` must be >= 1)."""
+        return MoEConfig(dim=self.n_embd, hidden=self.moe_hidden or self.mlp_hidden,
+                         num_experts=self.moe_num_experts, top_k=self.moe_top_k,
+                         shared_experts=self.moe_shared_experts, activation=self.mlp, score=self.moe_score,
+                         capacity_factor=self.moe_capacity_factor, bias_update_speed=self.moe_bias_update_speed,
+                         aux_loss_coef=self.moe_aux_loss_coef, z_loss_coef=self.moe_z_loss_coef,
+                         names="GPTConfig.moe_")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` has a mixture of experts instead of a dense MLP."""
+        first, every = self.moe_first_dense, self.moe_every
+        return self.moe_num_experts > 0 and layer >= first and (layer - first) % every == 0
 
     @property
     def head_dim(self) -> int:
@@ -129,6 +169,15 @@ PRESETS: dict[str, dict] = {
     # vocab x n_embd: small with the byte tokenizer, large with GPT-2's 50,257 tokens).
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),
     "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=512),
+    # Mixture of experts (counted by GPT.num_params, checked in tests/models/test_moe.py).
+    # tiny-moe: "tiny" with 4 experts of half width, top-2, after one dense block: 7,651,840
+    # parameters in all, 7,258,624 active per token (with GPT-2's vocabulary).
+    # gpt2-moe: GPT-2 124M's width and depth, every MLP 8 experts of half width, top-2, so a token
+    # passes through as many expert weights as through GPT-2's MLP: 294,336,768 parameters in
+    # all, 124,467,456 active per token (GPT-2 124M: 124,439,808; + the router, - MLP biases).
+    "tiny-moe": dict(n_layer=4, n_head=4, n_embd=128, block_size=256, moe_num_experts=4, moe_top_k=2,
+                     moe_hidden=256, moe_first_dense=1),
+    "gpt2-moe": dict(n_layer=12, n_head=12, n_embd=768, moe_num_experts=8, moe_top_k=2, moe_hidden=1536),
 }
 """Preset name -> the GPTConfig fields it sets (the rest keep their defaults)."""
 
@@ -209,14 +258,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)). ``mlp`` is a
+    mixture of experts (``moe.MoE``) in the blocks ``config.is_moe_layer(layer)`` names."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = _norm(config)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = _norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config.moe_config()) if config.is_moe_layer(layer) else MLP(config)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -251,7 +301,8 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(V, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = Layers({str(i): Block(config) for i in range(config.n_layer)})
+        self.blocks = Layers({str(i): Block(config, i) for i in range(config.n_layer)})
+        self.moe_aux_loss: torch.Tensor | None = None  # set by forward: see there
         self.ln_f = _norm(config)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         if config.tie_embeddings:
@@ -282,10 +333,12 @@ class GPT(nn.Module):
             if module is self.lm_head and c.tie_embeddings:
                 continue  # the tied head is the embedding, initialised once as an Embedding
             if isinstance(module, nn.Linear):
-                std = resid_std if name.endswith(("attn.wo", "mlp.w2")) else c.init_std
+                std = resid_std if name.endswith(("attn.wo", "mlp.w2", "mlp.shared.w2")) else c.init_std
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, MoE):  # the stacked expert weights and the balancing bias
+                module.init_weights(c.init_std, resid_std)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=c.init_std)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
@@ -307,6 +360,10 @@ class GPT(nn.Module):
         A pipeline stage is this model with parts removed (``parallel.pipeline``): without the
         token embedding its input is the previous stage's hidden states (B, T, n_embd); without
         the head it returns its hidden states.
+
+        With mixture-of-experts blocks, ``self.moe_aux_loss`` is afterwards the sum of their
+        enabled auxiliary losses (balance, z-loss; already weighted), or None when none is on:
+        the trainer adds it to the loss.
         """
         if self.wte is not None:
             T = idx.size(1)
@@ -322,6 +379,9 @@ class GPT(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.config.pos_emb == "rope" else None
         for block in self.blocks:
             x = block(x, rope)
+        if self.config.moe_num_experts:
+            losses = [m.aux_loss for m in moe_layers(self).values() if m.aux_loss is not None]
+            self.moe_aux_loss = sum(losses) if losses else None
         if self.lm_head is None:
             return x
         logits = self.lm_head(self.ln_f(x))
@@ -382,9 +442,12 @@ class GPT(nn.Module):
         V = self.config.vocab_size
         return logits if logits.size(-1) == V else logits[..., :V]
 
-    def num_params(self, embeddings: bool = True, padding: bool = False) -> int:
+    def num_params(self, embeddings: bool = True, padding: bool = False, active: bool = False) -> int:
         """Parameters counted once (tied weights once).
 
+        ``active=True`` counts, in mixture-of-experts blocks, only what one token passes through:
+        the router, ``moe_top_k`` routed experts and the shared experts (``moe.active_params``);
+        ``active=False`` counts every expert (what is allocated). The same for dense models.
         ``embeddings=False`` leaves out the token and position tables (the head stays, when untied).
         ``padding=False`` leaves out the vocabulary padding rows, so GPT-2 124M counts 124,439,808
         as published; ``padding=True`` is what is allocated.
@@ -394,6 +457,8 @@ class GPT(nn.Module):
         pad_rows = c.padded_vocab_size - c.vocab_size
         if not padding:
             total -= pad_rows * c.n_embd * (1 if c.tie_embeddings else 2)
+        if active:
+            total -= sum(sum(p.numel() for p in m.parameters()) - active_params(m) for m in moe_layers(self).values())
         if not embeddings:
             total -= self.wte.weight.numel() - (0 if padding else pad_rows * c.n_embd)
             if self.wpe is not None:
@@ -406,8 +471,9 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6·N + 12·L·H·Dh·T (PaLM appendix B, causal mask not credited).
 
         N counts the matmul weights a token passes through: every non-embedding parameter plus the
-        head at its padded size (the head matmul runs over the padded rows). A mixture-of-experts
-        model must count only the experts a token is routed to (active parameters), not all.
+        head at its padded size (the head matmul runs over the padded rows). In mixture-of-experts
+        blocks only the parameters a token is routed through count (``num_params(active=True)``:
+        router, top-k routed and shared experts); the dispatch (sort, gather, scatter) is not counted.
         """
         c = self.config
         T = seq_len or c.block_size
@@ -415,5 +481,5 @@ class GPT(nn.Module):
         if self.wte is None or self.lm_head is None or len(self.blocks) != c.n_layer:
             with torch.device("meta"):  # a pipeline stage: count the whole model, built without memory
                 whole = GPT(c)
-        n = whole.num_params(embeddings=False, padding=True)
+        n = whole.num_params(embeddings=False, padding=True, active=True)
         return 6 * n + 12 * c.n_layer * c.n_head * c.head_dim * T

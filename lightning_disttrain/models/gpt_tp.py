@@ -29,6 +29,9 @@ from lightning_disttrain.parallel.tensor import ReplicateOnShardedInput, TensorP
 
 def block_plan(config: GPTConfig, options: TensorParallelOptions) -> dict[str, ParallelStyle]:
     """Styles for one ``Block``, by name within it."""
+    if config.moe_num_experts:
+        raise ValueError("tensor parallel of mixture-of-experts blocks is not supported yet; use tp=1 with "
+                         "GPTConfig.moe_num_experts > 0 (expert parallel will shard the experts instead)")
     sp = options.sequence_parallel
     residual = Shard(1) if sp else Replicate()  # how the residual stream is laid out between blocks
     plan: dict[str, ParallelStyle] = {

@@ -112,6 +112,8 @@ def hf_architecture(config: GPTConfig) -> str:
         wrong = [(f, v, want) for f, v, want in (("norm", c.norm, "rmsnorm"), ("mlp", c.mlp, "swiglu")) if v != want]
     if c.qk_norm:
         wrong.append(("qk_norm", True, False))
+    if getattr(c, "moe_num_experts", 0):  # neither has experts (transformers' Mixtral / DeepSeek layouts differ)
+        wrong.append(("moe_num_experts", c.moe_num_experts, 0))
     if wrong:
         got = ", ".join(f"{f}={v!r} (needs {want!r})" for f, v, want in wrong)
         raise ValueError(

@@ -225,6 +225,7 @@ def test_cli_exports_a_checkpoint_directory(tmp_path, capsys, fields, refusal):
     (dict(GPT2_LIKE, n_kv_head=2), r"n_kv_head=2 \(needs 4\)"),
     (dict(GPT2_LIKE, bias=False), r"bias=False \(needs True\)"),
     (dict(GPT2_LIKE, norm="rmsnorm"), r"as GPT-2 \(learned positions\), but norm='rmsnorm'"),
+    (dict(LLAMA_LIKE, moe_num_experts=4, moe_top_k=2), r"moe_num_experts=4 \(needs 0\)"),
 ])
 def test_export_refuses_what_transformers_cannot_express(tmp_path, fields, match):
     ours = GPT(GPTConfig(**fields))
