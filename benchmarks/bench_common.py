@@ -85,6 +85,61 @@ def trainer(strategy, max_steps, callbacks, accelerator="cpu", logger=False):
                      limit_val_batches=0, callbacks=callbacks)
 
 
+def step_timer(warmup: int):
+    """A callback timing each optimizer step after ``warmup`` untimed ones (``.step_times()``) and
+    recording every step's loss (``.losses``)."""
+    import itertools
+    import time
+
+    import lightning as L
+
+    class StepTimer(L.Callback):
+        def __init__(self):
+            self.marks, self.losses = [], []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == warmup:
+                self.marks.append(time.perf_counter())
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx >= warmup:
+                self.marks.append(time.perf_counter())
+            self.losses.append(float(outputs["loss"]))
+
+        def step_times(self) -> list[float]:
+            return [b - a for a, b in itertools.pairwise(self.marks)]
+
+    return StepTimer()
+
+
+def rotated_rounds(variants: dict, repeats: int, out_file: Path, extra: dict) -> None:
+    """Run each of ``variants`` (name -> () -> (step times, losses)) once per round, the order
+    rotated each round, after a garbage collection and a barrier; rank 0 writes the step times,
+    losses, each round's order and load average, and ``extra`` to ``out_file`` as JSON."""
+    import gc
+    import json
+
+    import torch.distributed as dist
+
+    names = list(variants)
+    steps = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    rounds = []
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        rounds.append({"order": order, "load1_before": load1()})
+        for name in order:
+            gc.collect()
+            dist.barrier()
+            ts, loss = variants[name]()
+            steps[name].append(ts)
+            losses[name].append(loss)
+        if dist.get_rank() == 0:
+            print(f"round {r} done, load {load1():.2f}", flush=True)
+    if dist.get_rank() == 0:
+        out_file.write_text(json.dumps({"steps": steps, "losses": losses, "rounds": rounds, **extra}))
+
+
 def local_bytes(tensors) -> int:
     """Known-tensor sum (for comparison only): bytes of the local shards of ``tensors``."""
     import torch

@@ -223,7 +223,7 @@ def throughput_worker(args) -> None:
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from bench_common import dataset, trainer
+    from bench_common import dataset, rotated_rounds, step_timer, trainer
     from lightning_disttrain.optim import build_optimizer, build_scheduler
     from lightning_disttrain.strategies import NDParallelStrategy
 
@@ -233,26 +233,13 @@ def throughput_worker(args) -> None:
     total = args.warmup + args.steps
     ds = dataset(args, total * args.batch)  # one pipeline: both ranks read every batch
 
-    class Timer(L.Callback):
-        def __init__(self):
-            self.marks, self.losses = [], []
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx == args.warmup:
-                self.marks.append(time.perf_counter())
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if batch_idx >= args.warmup:
-                self.marks.append(time.perf_counter())
-            self.losses.append(float(outputs["loss"]))
-
     def ours():
         L.seed_everything(0)
-        timer = Timer()
+        timer = step_timer(args.warmup)
         strategy = NDParallelStrategy(pp=world, pp_schedule="1F1B", pp_microbatches=args.microbatches)
         trainer(strategy, total, [timer]).fit(gpt_module(args, total),
                                               DataLoader(ds, batch_size=args.batch, shuffle=False))
-        return [b - a for a, b in itertools.pairwise(timer.marks)], timer.losses
+        return timer.step_times(), timer.losses
 
     def hand(fsdp: bool = False):
         torch.manual_seed(0)
@@ -315,25 +302,8 @@ def throughput_worker(args) -> None:
         return [b - a for a, b in itertools.pairwise(marks)], losses
 
     variants = {OURS: ours, HAND: hand, HAND_FSDP: lambda: hand(fsdp=True)}
-    names = list(variants)
-    steps = {name: [] for name in names}
-    losses = {name: [] for name in names}
-    rounds = []
-    for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        rounds.append({"order": order, "load1_before": load1()})
-        for name in order:
-            gc.collect()
-            dist.barrier()
-            ts, loss = variants[name]()
-            steps[name].append(ts)
-            losses[name].append(loss)
-        if rank == 0:
-            print(f"round {r} done, load {load1():.2f}", flush=True)
-    if rank == 0:
-        (OUT / "throughput.json").write_text(json.dumps(
-            {"steps": steps, "losses": losses, "rounds": rounds, "tokens_per_step": args.batch * args.seq,
-             "args": vars(args)}))
+    rotated_rounds(variants, args.repeats, OUT / "throughput.json",
+                   {"tokens_per_step": args.batch * args.seq, "args": vars(args)})
 
 
 def report_throughput() -> str:

@@ -60,7 +60,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from bench_common import HERE, MIB, dataset, load1, local_bytes, phase_probe, trainer
+from bench_common import HERE, MIB, dataset, load1, local_bytes, phase_probe, rotated_rounds, step_timer, trainer
 from bench_common import RANK as _RANK
 from bench_common import WORLD as _WORLD
 from bench_common import launch as _launch
@@ -466,26 +466,13 @@ def throughput_worker(args) -> None:
     dist.init_process_group("gloo")  # the strategy finds it initialised and keeps it
     mesh = init_device_mesh("cpu", (1, _WORLD), mesh_dim_names=("dp_shard", "tp"))  # the hand loop's
 
-    class Timer(L.Callback):
-        def __init__(self):
-            self.marks, self.losses = [], []
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx == args.warmup:
-                self.marks.append(time.perf_counter())
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if batch_idx >= args.warmup:
-                self.marks.append(time.perf_counter())
-            self.losses.append(float(outputs["loss"]))
-
     def ours():
         L.seed_everything(0)
-        timer = Timer()
+        timer = step_timer(args.warmup)
         logger = CSVLogger(OUT / "throughput_logs", name="ours")
         trainer(NDParallelStrategy(tp=_WORLD, dp_shard=1), total, [timer], logger=logger).fit(
             gpt_module(args), DataLoader(ds, batch_size=args.tp_batch, shuffle=False))
-        return [b - a for a, b in itertools.pairwise(timer.marks)], timer.losses
+        return timer.step_times(), timer.losses
 
     def hand():
         torch.manual_seed(0)
@@ -531,25 +518,8 @@ def throughput_worker(args) -> None:
         return [b - a for a, b in itertools.pairwise(marks)], losses
 
     variants = {OURS: ours, HAND: hand}
-    names = list(variants)
-    steps = {name: [] for name in names}
-    losses = {name: [] for name in names}
-    rounds = []
-    for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        rounds.append({"order": order, "load1_before": load1()})
-        for name in order:
-            gc.collect()
-            dist.barrier()
-            ts, loss = variants[name]()
-            steps[name].append(ts)
-            losses[name].append(loss)
-        if _RANK == 0:
-            print(f"round {r} done, load {load1():.2f}", flush=True)
-    if _RANK == 0:
-        (OUT / "throughput.json").write_text(json.dumps(
-            {"steps": steps, "losses": losses, "rounds": rounds, "tokens_per_step": args.tp_batch * args.seq,
-             "args": vars(args)}))
+    rotated_rounds(variants, args.repeats, OUT / "throughput.json",
+                   {"tokens_per_step": args.tp_batch * args.seq, "args": vars(args)})
 
 
 def report_throughput() -> str:
