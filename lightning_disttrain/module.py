@@ -127,7 +127,6 @@ class GPTModule(L.LightningModule):
         self._tokenizer = None
         self._last_step_time: float | None = None
         self._tok_per_s: float | None = None
-        self._moe_step: int | None = None  # global_step at the last balancing-bias update
 
     # ---- model construction -------------------------------------------------------------
 
@@ -241,13 +240,16 @@ class GPTModule(L.LightningModule):
         self.log("train/moe_aux_loss", aux.detach(), on_step=True, on_epoch=False)
         return aux
 
-    def _moe_after_batch(self) -> None:
-        # Once per optimizer step (global_step moved; with gradient accumulation after the step's
-        # last micro-batch), the balancing bias moves on the whole step's load, summed over the
-        # data-parallel ranks so that every replica keeps the same bias.
-        if self._moe_step == self.trainer.global_step:
-            return
-        self._moe_step = self.trainer.global_step
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.config.moe_num_experts:
+            self._moe_after_step()
+
+    def _moe_after_step(self) -> None:
+        # Right after each optimizer step (with gradient accumulation: after the step's last
+        # micro-batch), before any callback's on_train_batch_end can save a checkpoint: the
+        # balancing bias moves on the whole step's load, summed over the data-parallel ranks so
+        # that every replica keeps the same bias.
         layers = moe_layers(self.model)
         update_moe_biases(layers.values(), group=getattr(self.trainer.strategy, "dp_process_group", None))
         for i, layer in layers.items():
@@ -283,8 +285,6 @@ class GPTModule(L.LightningModule):
             self._tok_per_s = rate if self._tok_per_s is None else 0.8 * self._tok_per_s + 0.2 * rate
             self.log("tok/s", self._tok_per_s, prog_bar=True, on_step=True, on_epoch=False, logger=False)
         self._last_step_time = now
-        if self.config.moe_num_experts:
-            self._moe_after_batch()
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None
@@ -338,7 +338,6 @@ class GPTModule(L.LightningModule):
             self._resumed_schedule_steps = checkpoint.get("schedule_steps")
 
     def on_train_start(self) -> None:
-        self._moe_step = self.trainer.global_step
         # Compared here, once both are known: strategies restore the checkpoint either before or
         # after configure_optimizers.
         old, new = self._resumed_schedule_steps, self._schedule_steps

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 ACTIVATIONS = ("gelu", "swiglu", "relu2")
 SCORES = ("softmax", "sigmoid")
@@ -162,12 +163,19 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (N, dim) sorted by expert with ``counts`` (num_experts,) rows each → (N, dim)."""
+        # Under expert parallel the weights are DTensors sharded over experts: compute on this
+        # rank's experts (``counts`` then holds only theirs; see ``parallel.expert``).
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         grouped = self.use_grouped_mm
         if grouped is None:
-            grouped = grouped_mm_supported(x, self.w1, self.w2)
-        h = grouped_linear(x, self.w1, counts, grouped)
-        gate = grouped_linear(x, self.w3, counts, grouped) if self.w3 is not None else None
-        return grouped_linear(_activate(self.activation, h, gate), self.w2, counts, grouped)
+            grouped = grouped_mm_supported(x, w1, w2)
+        h = grouped_linear(x, w1, counts, grouped)
+        gate = grouped_linear(x, w3, counts, grouped) if w3 is not None else None
+        return grouped_linear(_activate(self.activation, h, gate), w2, counts, grouped)
+
+
+def _local(weight: torch.Tensor | None) -> torch.Tensor | None:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 class SharedExperts(nn.Module):

@@ -105,6 +105,8 @@ COLLECTIVE_OPS = _resolve([
     "_c10d_functional.reduce_scatter_tensor.default",
     "_c10d_functional.all_gather_into_tensor.default",
     "_c10d_functional.all_reduce.default",
+    # Expert parallel: the token dispatch/combine (and the count exchange before them).
+    "_c10d_functional.all_to_all_single.default",
 ])
 
 LOW_PRECISION_OPS = _resolve([

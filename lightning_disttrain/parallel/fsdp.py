@@ -110,6 +110,8 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
+    expert_mesh=None,
+    expert_grad_divide_factor: float | None = None,
 ) -> None:
     """Shard ``module`` with FSDP2: each block, each plan group, then ``module`` as the root.
 
@@ -126,6 +128,12 @@ def apply_fsdp(
             stays on fast links.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory; the
             optimizer step then runs on the CPU.
+        expert_mesh: under expert parallel, the ``efsdp`` mesh: each block's expert-parallel
+            experts (``parallel.expert``) become a unit of their own, sharded over it, before the
+            block's unit takes the rest.
+        expert_grad_divide_factor: those units divide their gradient sum by this instead of
+            their mesh size (the data-parallel size: an expert's gradient already sums the tokens
+            of every ep rank).
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -140,6 +148,15 @@ def apply_fsdp(
     for i, block in enumerate(blocks):
         last = head_group is None and i == len(blocks) - 1
         reshard = False if (last and reshard_after_forward is not False) else reshard_after_forward
+        if expert_mesh is not None:
+            for experts in expert_parallel_modules(block):
+                fully_shard(experts, reshard_after_forward=reshard, **dict(common, mesh=expert_mesh))
+                if expert_grad_divide_factor is not None:
+                    experts.set_gradient_divide_factor(expert_grad_divide_factor)
+                    if dist.get_backend(expert_mesh.get_group()) != "nccl":
+                        # A divisor other than the mesh size is NCCL's PREMUL_SUM, which gloo lacks:
+                        # sum, then divide (one more kernel over the shard).
+                        experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=reshard, **common)
     for group in plan.fsdp_groups:
         # A list is one unit: one all-gather / reduce-scatter for its modules together.
@@ -147,6 +164,12 @@ def apply_fsdp(
         fully_shard(group[0] if len(group) == 1 else list(group), reshard_after_forward=reshard, **common)
     # The root: None lets FSDP keep the root's parameters after forward, for the same reason.
     fully_shard(module, reshard_after_forward=None, **common)
+
+
+def expert_parallel_modules(block: nn.Module) -> list[nn.Module]:
+    """The submodules of ``block`` holding expert-parallel weights (DTensors set up by
+    ``parallel.expert.shard_experts``, marked ``expert_parallel``)."""
+    return [m for m in block.modules() if getattr(m, "expert_parallel", False)]
 
 
 def offload_safe_to_device(module: nn.Module, device: torch.device, cpu_offload: bool) -> None:

@@ -70,7 +70,9 @@ class ParallelDims:
 
     ``ep`` (expert parallel) is not a dimension of its own: it borrows ranks from ``dp_shard_cp``
     (experts are sharded over ranks that would otherwise each hold a shard of them), so it must
-    divide ``dp_shard * cp``.
+    divide ``dp_shard * cp``. With ep > 1, ``get_mesh("ep")`` holds groups of ``ep`` consecutive
+    FSDP ranks (the all-to-all groups) and ``get_mesh("efsdp")`` the ``dp_shard*cp/ep`` ranks over
+    which each expert shard is FSDP-sharded; these ranks still see different samples.
     """
 
     dp_replicate: int = 1
@@ -152,9 +154,15 @@ class ParallelDims:
                 f"block_size={block_size} is not a multiple of 2*cp={2 * self.cp}; context parallel "
                 f"splits each sequence into 2*cp load-balanced chunks, so choose cp with "
                 f"block_size % (2*cp) == 0")
-        if self.ep > 1 and (n_experts := get("n_experts")) is not None and n_experts % self.ep:
+        experts_field = "moe_num_experts" if get("moe_num_experts") is not None else "n_experts"
+        n_experts = get(experts_field)
+        if self.ep > 1 and n_experts == 0:
             raise ValueError(
-                f"ep={self.ep} does not divide n_experts={n_experts}; every expert-parallel rank holds "
+                f"ep={self.ep} but the model has no mixture-of-experts layers ({experts_field}=0); set ep=1, "
+                f"or give it experts ({experts_field} >= {self.ep})")
+        if self.ep > 1 and n_experts is not None and n_experts % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide {experts_field}={n_experts}; every expert-parallel rank holds "
                 f"the same number of experts, so choose ep among the divisors of {n_experts}")
 
     # -- derived degrees --------------------------------------------------------------------
@@ -229,6 +237,12 @@ class ParallelDims:
                 0, (self.dp_replicate, self.fsdp_size), ("dp_replicate", "dp_shard_cp"))
         else:
             meshes["fsdp"] = meshes["dp_shard_cp"]
+        if self.ep > 1:
+            # Expert parallel: the FSDP ranks regrouped as (efsdp, ep), ep innermost (consecutive
+            # ranks: all-to-all in every MoE layer). Experts are sharded over ep, each shard FSDP-
+            # sharded over efsdp; both keep the world mesh as root, as FSDP2 needs to compose them.
+            split = meshes["dp_shard_cp"]._unflatten(0, (self.fsdp_size // self.ep, self.ep), ("efsdp", "ep"))
+            meshes["ep"], meshes["efsdp"] = split["ep"], split["efsdp"]
         self._meshes = meshes
         return world
 

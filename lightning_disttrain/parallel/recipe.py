@@ -43,6 +43,18 @@ class TPSettings:
 
 
 @dataclass
+class EPSettings:
+    """How stage 4 shards (see ``parallel.expert``)."""
+
+    mesh: Any
+    """The 1-D ``ep`` mesh: each MoE layer's routed experts are split over it."""
+    expert_fsdp_mesh: Any
+    """The ``efsdp`` mesh: FSDP shards each rank's experts over it."""
+    grad_divide_factor: float
+    """Data-parallel ranks: the experts' gradient sums are divided by it, as the dense ones."""
+
+
+@dataclass
 class PipelineSettings:
     """What stage 2 did (``parallel.pipeline.split_model``, run by the strategy before the weights
     are materialised, so that no rank allocates the blocks it does not hold)."""
@@ -65,12 +77,14 @@ class Parallelized:
 def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformRegistry, *,
                 compile_options: dict[str, Any] | None = None,
                 tp: TPSettings | None = None,
+                ep: EPSettings | None = None,
                 fsdp: FSDPSettings | None = None,
                 pipeline: PipelineSettings | None = None) -> Parallelized:
     """Apply every parallelism to ``module`` in place, in the order DESIGN.md fixes.
 
     ``compile_options``: None skips compilation; a dict (possibly empty) compiles each block.
     ``tp``: None skips tensor parallel.
+    ``ep``: None skips expert parallel.
     ``fsdp``: None skips sharding (e.g. the model sharded itself in ``configure_model``).
     ``pipeline``: the stages this rank keeps (None: no pipeline).
     """
@@ -100,7 +114,16 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
                           f"{', sequence parallel' if o.sequence_parallel else ''}"
                           f"{', loss parallel' if o.loss_parallel else ''}{', async TP' if o.async_tp else ''}")
     stage("tensor_parallel")
-    # 4. expert parallel: experts leave the dense FSDP group for their own.
+    # 4. expert parallel: each MoE layer's routed experts are split over the ep ranks (tokens
+    #    reach them by all-to-all); FSDP (step 7) then gives them units of their own.
+    if ep is not None:
+        from lightning_disttrain.models.moe import moe_layers
+        from lightning_disttrain.parallel.expert import shard_experts
+
+        layers = plan.moe_layers if plan.moe_layers is not None else list(moe_layers(module).values())
+        shard_experts(layers, ep.mesh)
+        done.steps.append(f"expert_parallel: ep={ep.mesh.size()}, {len(layers)} MoE layers, experts FSDP over "
+                          f"{ep.expert_fsdp_mesh.size()} ranks")
     stage("expert_parallel")
     # 5. activation checkpointing: wraps whole blocks, after TP so its plans see real names.
     stage("activation_checkpointing")
@@ -124,7 +147,9 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
         root_name = type(root).__name__  # before fully_shard renames the class to FSDP<name>
         check_tied_units(root, plan, tied_parameters(root))
         apply_fsdp(root, plan, fsdp.mesh, mp_policy=fsdp.mp_policy,
-                   reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.cpu_offload)
+                   reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.cpu_offload,
+                   expert_mesh=ep.expert_fsdp_mesh if ep is not None else None,
+                   expert_grad_divide_factor=ep.grad_divide_factor if ep is not None else None)
         done.fsdp_root = root
         done.steps.append(f"fsdp: {len(plan.block_list)} blocks + {len(plan.fsdp_groups)} groups + root "
                           f"{root_name}")

@@ -1,5 +1,5 @@
 """Lightning strategies. Importing this package registers the names ``fsdp2``, ``fsdp2_zero2``,
-``hsdp`` and ``fsdp2_tp`` with Lightning's ``StrategyRegistry``, so ``Trainer(strategy="fsdp2")``
+``hsdp``, ``fsdp2_tp`` and ``fsdp2_ep`` with Lightning's ``StrategyRegistry``, so ``Trainer(strategy="fsdp2")``
 and ``trainer.strategy: fsdp2`` in a LightningCLI YAML work.
 
 ``fsdp2_tp`` is the common 2-D layout: tensor parallel over pairs of neighbouring ranks (tp=2, with
@@ -14,5 +14,7 @@ from lightning_disttrain.strategies.nd_parallel import NDParallelStrategy
 FSDP2Strategy.register_strategies(StrategyRegistry)
 StrategyRegistry.register("fsdp2_tp", NDParallelStrategy, description="FSDP2 x tensor parallel tp=2, sequence and "
                           "loss parallel (lightning-disttrain)", override=True, tp=2)
+StrategyRegistry.register("fsdp2_ep", NDParallelStrategy, description="FSDP2 x expert parallel ep=2: MoE experts "
+                          "split over pairs of ranks, tokens by all-to-all (lightning-disttrain)", override=True, ep=2)
 
 __all__ = ["FSDP2Strategy", "NDParallelStrategy"]

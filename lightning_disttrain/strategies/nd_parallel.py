@@ -56,7 +56,7 @@ from lightning_disttrain.parallel.fsdp import (
 from lightning_disttrain.parallel.materialize import dtensor_rng_supported, has_meta_tensors
 from lightning_disttrain.parallel.mesh import ParallelDims
 from lightning_disttrain.parallel.pipeline import PipelineOptions
-from lightning_disttrain.parallel.recipe import FSDPSettings, PipelineSettings, TPSettings, parallelize
+from lightning_disttrain.parallel.recipe import EPSettings, FSDPSettings, PipelineSettings, TPSettings, parallelize
 from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_async_tp, share_rng_state
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
@@ -66,7 +66,7 @@ from lightning_disttrain.strategies.pipeline_steps import PipelineStepMixin
 from lightning_disttrain.strategies.steps import StepMixin
 
 # Degrees whose transforms exist. The EP / CP issues add theirs here.
-_SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+_SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
 
 
 class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWeightsMixin, ParallelStrategy):
@@ -112,7 +112,8 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
             if value != 1 and name not in _SUPPORTED_DEGREES:
                 raise ValueError(
                     f"{type(self).__name__}({name}={value}) is not supported yet: only "
-                    f"{' / '.join(_SUPPORTED_DEGREES)} (FSDP2 / HSDP, tensor and pipeline parallel) are implemented so far; "
+                    f"{' / '.join(_SUPPORTED_DEGREES)} (FSDP2 / HSDP, tensor, pipeline and expert parallel) are implemented "
+                    f"so far; "
                     f"set {name}=1")
         if isinstance(reshard_after_forward, bool) or (isinstance(reshard_after_forward, int)
                                                        and reshard_after_forward > 1):
@@ -202,6 +203,12 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
             raise ValueError(f"{type(self).__name__} does not support precision='16-mixed' (a grad scaler over "
                              f"sharded gradients); use precision='bf16-mixed', or '16-true' without loss scaling")
         dims = self._make_parallel_dims(self.world_size)
+        if dims.ep_enabled:
+            others = {name: getattr(dims, name) for name in ("tp", "pp", "dp_replicate") if getattr(dims, name) > 1}
+            if others:
+                raise ValueError(f"ep={dims.ep} with {', '.join(f'{k}={v}' for k, v in others.items())} is not supported "
+                                 f"yet: expert parallel composes with FSDP2 (dp_shard) only so far; set "
+                                 f"{' and '.join(f'{k}=1' for k in others)} (or ep=1)")
         raf = self.reshard_after_forward
         if not isinstance(raf, bool) and (raf >= dims.fsdp_size or dims.fsdp_size % raf):
             raise ValueError(f"reshard_after_forward={raf} must divide the {dims.fsdp_size} ranks parameters are "
@@ -302,6 +309,9 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         if self_sharded:
             rank_zero_info(f"{type(module).__name__} is already sharded (fully_shard / parallelize_module in "
                            f"configure_model): {type(self).__name__} keeps that and skips its own FSDP stage")
+        if self_sharded and dims.ep_enabled:
+            raise ValueError(f"{type(module).__name__} sharded itself in configure_model; ep > 1 must split its "
+                             f"experts first: leave the sharding to {type(self).__name__}, or set ep=1")
         pipeline = None
         if dims.pp_enabled:
             if self_sharded:
@@ -336,8 +346,10 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
             # parameters stay gathered from forward to backward (torchtitan does the same).
             reshard_after_forward=False if pipeline else self.reshard_after_forward, cpu_offload=self.cpu_offload)
         tp = TPSettings(dims.get_mesh("tp"), self.tp_options) if dims.tp_enabled and not self_sharded else None
-        done = parallelize(module, ctx, self.transforms, compile_options=self.compile_options, tp=tp, fsdp=fsdp,
-                           pipeline=pipeline)
+        ep = EPSettings(dims.get_mesh("ep"), dims.get_mesh("efsdp"), grad_divide_factor=dims.fsdp_size) \
+            if dims.ep_enabled else None
+        done = parallelize(module, ctx, self.transforms, compile_options=self.compile_options, tp=tp, ep=ep,
+                           fsdp=fsdp, pipeline=pipeline)
         if no_fsdp:
             done.steps.append("no fsdp (one data-parallel rank, full precision: nothing to shard)")
         self.parallelized_steps = done.steps
@@ -379,7 +391,9 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
 
     Args:
         dp_replicate, dp_shard, tp, pp, ep, cp: degrees (see ``ParallelDims``); ``dp_shard=-1``
-            takes whatever the world size leaves. ep/cp > 1 are not supported yet.
+            takes whatever the world size leaves. cp > 1 is not supported yet; ep > 1 (expert
+            parallel, borrowing ranks from dp_shard) composes with FSDP2, not yet with tp, pp or
+            dp_replicate.
         reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (parameters stay gathered from forward
             to backward); int: reshard to groups of that many ranks.
         mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision

@@ -127,6 +127,13 @@ def runs(tmp_path_factory):
          "dump_state": True, "save_dir": str(root / "pp1_ckpt"), "save_every": 8, "dump_final": True},
         {"name": "pp_from_1", "ckpt_path": str(root / "pp1_ckpt" / "step=008.ckpt"), "steps": 9, "pp": 2,
          "untied": True, "dump_state": True},
+        # Expert parallel (ep=2: two of the four experts per rank, tokens by all-to-all; dropout on):
+        # train and save, resume on the same layout, reshard to ep=1 (plain FSDP2 over both ranks).
+        {"name": "ep_train", "ckpt_path": None, "steps": 6, "ep": 2, "moe": True, "save_dir": str(root / "ep_ckpt"),
+         "save_every": 3, "dump_final": True},
+        {"name": "ep_resume", "ckpt_path": str(root / "ep_ckpt" / "step=003.ckpt"), "steps": 6, "ep": 2, "moe": True},
+        {"name": "ep_to_1", "ckpt_path": str(root / "ep_ckpt" / "step=006.ckpt"), "steps": 7, "moe": True,
+         "dump_state": True},
         {"name": "e_from_before_last", "ckpt_path": str(root / "e_ckpt" / f"step={E_STEPS - 1:03d}.ckpt"),
          "steps": E_STEPS, "total_steps": E_STEPS},
         {"name": "e_from_last", "ckpt_path": str(root / "e_ckpt" / "last.ckpt"), "steps": E_STEPS + 1, "total_steps": E_STEPS,
@@ -373,6 +380,24 @@ def test_tensor_parallel_checkpoints_reshard_to_other_layouts(runs):
         assert r["jobs"]["to_2x2"]["start_step"] == 4
     _assert_same_state(torch.load(root / "c" / "final_state.pt", weights_only=False),
                        torch.load(root / "c" / "to_2x2_restored.pt", weights_only=False))
+
+
+def test_expert_parallel_resumes_bitwise_and_reshards_to_ep1(runs):
+    root = runs["root"]
+    for rank in (0, 1):
+        trained, resumed = runs["d"][rank]["ep_train"], runs["d"][rank]["ep_resume"]
+        assert trained["ok"] and resumed["ok"], (trained.get("traceback"), resumed.get("traceback"))
+        assert resumed["start_step"] == 3
+        # the balancing bias, the experts' shards, their optimizer state, RNG and data all restored
+        assert _steps(resumed["losses"], after=3) == _steps(trained["losses"], after=3)
+        assert len(_steps(trained["losses"], after=3)) == 3
+        assert runs["d"][rank]["ep_to_1"]["ok"], runs["d"][rank]["ep_to_1"].get("traceback")
+    # ep=2 -> ep=1: the checkpoint holds whole [num_experts, ...] tensors; every weight (the bias
+    # buffer included) and every optimizer state equal after loading them on the other layout.
+    saved = torch.load(root / "d" / "ep_train_final.pt", weights_only=False)
+    assert any(key.endswith("mlp.experts.w1") and value.shape[0] == 4 for key, value in saved["model"].items())
+    assert any(key.endswith("mlp.expert_bias") and value.abs().sum() > 0 for key, value in saved["model"].items())
+    _assert_same_state(saved, torch.load(root / "d" / "ep_to_1_restored.pt", weights_only=False))
 
 
 def _stage_state(root: Path, name: str) -> dict:

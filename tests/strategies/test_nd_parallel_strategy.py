@@ -13,10 +13,23 @@ def trainer(strategy, devices=2, num_nodes=1):
                      logger=False, enable_progress_bar=False, enable_checkpointing=False)
 
 
-@pytest.mark.parametrize("name", ["ep", "cp"])
-def test_unsupported_degrees_fail_at_construction(name):
-    with pytest.raises(ValueError, match=rf"{name}=2\) is not supported yet.*set {name}=1"):
-        NDParallelStrategy(**{name: 2})
+def test_unsupported_degrees_fail_at_construction():
+    with pytest.raises(ValueError, match=r"cp=2\) is not supported yet.*set cp=1"):
+        NDParallelStrategy(cp=2)
+
+
+@pytest.mark.parametrize("other, devices", [({"tp": 2}, 4), ({"pp": 2}, 4), ({"dp_replicate": 2}, 4)])
+def test_expert_parallel_with_tp_pp_or_replicas_is_refused_at_trainer_construction(other, devices):
+    (name, value), = other.items()
+    with pytest.raises(ValueError, match=rf"ep=2 with {name}={value} is not supported yet.*set {name}=1"):
+        trainer(NDParallelStrategy(ep=2, **other), devices=devices)
+
+
+def test_expert_parallel_degree_must_divide_the_fsdp_ranks():
+    with pytest.raises(ValueError, match=r"ep=4 must divide dp_shard\*cp = 2\*1 = 2"):
+        trainer(NDParallelStrategy(ep=4), devices=2)
+    s = trainer("fsdp2_ep", devices=4).strategy
+    assert s.parallel_dims.ep == 2 and s.parallel_dims.dp_shard == 4
 
 
 @pytest.mark.parametrize("value", [0, 1, -1, "yes"])

@@ -84,7 +84,7 @@ def cmd_resume(args) -> tuple[int, dict]:
     for job in jobs:
         name = job["name"]
         L.seed_everything(99, workers=True)  # a different seed: everything must come from the checkpoint
-        strategy = build_strategy(async_save=False, tp=job.get("tp", 1), pp=job.get("pp", 1))
+        strategy = build_strategy(async_save=False, tp=job.get("tp", 1), pp=job.get("pp", 1), ep=job.get("ep", 1))
         out = Path(args.out)
         rec = Recorder(dump_state_to=out / f"{name}_restored.pt" if job.get("dump_state") else None,
                        full_state_to=out / f"{name}_final.pt" if job.get("dump_final") else None,
@@ -96,7 +96,8 @@ def cmd_resume(args) -> tuple[int, dict]:
         if job.get("save_dir"):  # a job that trains from scratch and keeps every checkpoint
             callbacks.append(_checkpointing(job["save_dir"], job["save_every"], -1))
         trainer = _trainer(args, strategy, job["steps"], callbacks)
-        module = build_module(total_steps=job.get("total_steps", 12), untied=job.get("untied", False))
+        module = build_module(total_steps=job.get("total_steps", 12), untied=job.get("untied", False),
+                              moe=job.get("moe", False))
         data = build_data(args.data)
         with warnings.catch_warnings(record=True) as caught, _recording_info() as infos:
             warnings.simplefilter("always")

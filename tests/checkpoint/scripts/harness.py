@@ -21,20 +21,25 @@ MICRO_BATCH = 2
 N_SAMPLES = 4096
 
 
-def build_strategy(async_save: bool = False, tp: int = 1, pp: int = 1) -> NDParallelStrategy:
+def build_strategy(async_save: bool = False, tp: int = 1, pp: int = 1, ep: int = 1) -> NDParallelStrategy:
     # pp=2: 1F1B over the 2 ranks, each batch of MICRO_BATCH split into 2 micro-batches
     pipeline = dict(pp=pp, pp_schedule="1F1B", pp_microbatches=2) if pp > 1 else {}
-    return NDParallelStrategy(async_save=async_save, tp=tp, **pipeline)
+    return NDParallelStrategy(async_save=async_save, tp=tp, ep=ep, **pipeline)
 
 
 def strategy_kind(strategy) -> str:
     return type(strategy).__name__
 
 
-def build_module(total_steps: int = 12, untied: bool = False) -> GPTModule:
+MOE = dict(mlp="swiglu", moe_num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_hidden=32,
+           moe_bias_update_speed=0.01)
+"""The expert-parallel jobs' mixture of experts (the balancing bias is state a resume must restore)."""
+
+
+def build_module(total_steps: int = 12, untied: bool = False, moe: bool = False) -> GPTModule:
     # dropout > 0 so that RNG restore matters; an LR schedule so that scheduler restore matters.
     # untied: the pipeline-parallel jobs (the first and the last stage cannot share a weight)
-    overrides = {"dropout": 0.1, **({"tie_embeddings": False} if untied else {})}
+    overrides = {"dropout": 0.1, **({"tie_embeddings": False} if untied else {}), **(MOE if moe else {})}
     return GPTModule(config="tiny", vocab_size=VOCAB, model_overrides=overrides, lr=3e-3,
                      schedule="cosine", warmup_steps=3, max_steps=total_steps)
 
