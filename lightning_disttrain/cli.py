@@ -31,6 +31,8 @@ _TOOLS = {
     "prepare": ("lightning_disttrain.data.prepare", "prepare_main", "tokenize text into llm.c .bin shards"),
     "export": ("lightning_disttrain.checkpoint.consolidate", "export_main",
                "export a sharded checkpoint as one state-dict file, or as Hugging Face (--format hf)"),
+    "plan": ("lightning_disttrain.planning.command", "plan_main",
+             "memory per GPU by layout, the recommended layout, speed, cost, checkpoint interval"),
 }
 
 
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         getattr(importlib.import_module(module), fn)(argv[1:])
         return
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: lightning-disttrain {fit,validate,test,predict,prepare,export} ...\n")
+        print("usage: lightning-disttrain {fit,validate,test,predict,prepare,export,plan} ...\n")
         for name, (_, _, doc) in _TOOLS.items():
             print(f"  {name:9s} {doc}")
         print("  fit, validate, test, predict: LightningCLI subcommands (lightning-disttrain fit --help)\n")

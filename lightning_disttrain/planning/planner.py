@@ -1,0 +1,130 @@
+"""One plan: every candidate layout's memory, the recommendation, its speed, cost and checkpoints.
+
+``make_plan`` ties the pieces together; the arithmetic lives in ``memory.py`` (bytes),
+``layouts.py`` (candidates and the choice) and ``throughput.py`` (time, money, failures).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_disttrain.callbacks.peak_flops import CHIPS
+from lightning_disttrain.planning import throughput as tp
+from lightning_disttrain.planning.layouts import Candidate, evaluate, recommend
+from lightning_disttrain.planning.memory import DEFAULT_MARGIN, STATE_BYTES
+from lightning_disttrain.planning.model_shape import ModelShape
+from lightning_disttrain.planning.spec import GB, Cluster, Workload
+
+
+@dataclass(frozen=True)
+class Money:
+    """What the run costs: optional inputs, each used only when given."""
+
+    token_budget: float | None = None
+    price: float | None = None
+    """$ per GPU-hour, on demand."""
+    spot_price: float | None = None
+    preemptions_per_node_hour: float = 0.0
+    """Spot preemption rate (per node and hour); it sets the spot run's failure rate."""
+    device_mtbf_hours: float = tp.DEVICE_MTBF_HOURS
+    checkpoint_seconds: float | None = None
+    """Blocking cost of one checkpoint; None: estimated from its size at ``CHECKPOINT_WRITE_GBPS`` per node."""
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    workload: Workload
+    cluster: Cluster
+    candidates: list[Candidate]
+    chosen: Candidate | None
+    reason: str
+    speed: tp.Throughput | None = None
+    failures: tp.Failures | None = None
+    spot_failures: tp.Failures | None = None
+    cost: tp.Cost | None = None
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """Plain numbers for ``--json`` (memory in GB)."""
+        s, w, c = self.shape, self.workload, self.cluster
+        out = {
+            "model": {"name": s.name, "params": s.params, "active_params": s.active_params,
+                      "flops_per_token": s.flops_per_token, "n_layer": s.n_layer, "n_embd": s.n_embd,
+                      "n_head": s.n_head, "vocab": s.vocab, "experts": s.num_experts},
+            "cluster": {"gpu": c.gpu, "gpus_per_node": c.gpus_per_node, "nodes": c.nodes,
+                        "memory_gb": c.memory_bytes / GB},
+            "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "micro_batch": w.micro_batch,
+                         "precision": w.precision, "flash": w.flash, "tokens_per_step": w.tokens_per_step},
+            "layouts": [{"name": x.layout.name, "degrees": _degrees(x), "zero": x.layout.zero, "ac": x.layout.ac,
+                         "accumulation": x.accumulation, "note": x.note, "recommendable": x.recommendable,
+                         "memory_gb": x.memory.as_gb()} for x in self.candidates],
+            "recommendation": None if self.chosen is None else self.chosen.layout.name,
+            "reason": self.reason,
+            "assumptions": self.assumptions,
+        }
+        if self.speed is not None:
+            out["speed"] = {"step_seconds": self.speed.step_seconds, "tokens_per_second": self.speed.tokens_per_second,
+                            "mfu": self.speed.mfu, "peak_flops_per_gpu": self.speed.peak_flops,
+                            "flops_per_step": self.speed.flops_per_step}
+        for key, f in (("checkpointing", self.failures), ("spot_checkpointing", self.spot_failures)):
+            if f is not None:
+                out[key] = {"job_mtbf_hours": f.job_mtbf_hours, "checkpoint_seconds": f.checkpoint_seconds,
+                            "interval_minutes": f.interval_seconds / 60, "overhead": f.overhead}
+        if self.cost is not None:
+            out["cost"] = {"hours": self.cost.hours, "gpu_hours": self.cost.gpu_hours, "on_demand": self.cost.on_demand,
+                           "spot": self.cost.spot, "spot_hours": self.cost.spot_hours,
+                           "spot_savings": self.cost.spot_savings, "overhead_factor": tp.OVERHEAD}
+        return out
+
+
+def _degrees(c: Candidate) -> dict:
+    layout = c.layout
+    return {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")}
+
+
+def checkpoint_seconds_estimate(shape: ModelShape, workload: Workload, nodes: int) -> float:
+    """Seconds to write one checkpoint (master weights and optimizer state) at the assumed bandwidth."""
+    sb = STATE_BYTES[workload.precision]
+    size = shape.params * (sb.master + sb.moments + (sb.weights if not sb.master else 0))
+    return size / (tp.CHECKPOINT_WRITE_GBPS * GB * nodes)
+
+
+def make_plan(shape: ModelShape, workload: Workload, cluster: Cluster, money: Money = Money(),
+              mfu: float | None = None, margin: float = DEFAULT_MARGIN) -> Plan:
+    candidates = evaluate(shape, workload, cluster, margin)
+    chosen, reason = recommend(candidates)
+    plan = Plan(shape, workload, cluster, candidates, chosen, reason)
+    plan.assumptions.append(f"memory: GB = 1e9 bytes; fits within {1 - margin:.0%} of {cluster.memory_bytes / GB:.0f} GB "
+                            f"(margin for allocator fragmentation)")
+    if chosen is None or cluster.gpu == "cpu":
+        return plan
+    layout = chosen.layout
+    peak = CHIPS[cluster.gpu].bf16
+    fp8 = workload.precision == "fp8"
+    plan.speed = tp.throughput(shape.flops_per_token, workload.tokens_per_step, cluster.world, peak,
+                               tp.DEFAULT_MFU if mfu is None else mfu, full_recompute=layout.ac == "full",
+                               pp=layout.pp, microbatches=chosen.accumulation or 1, fp8=fp8)
+    plan.assumptions.append(f"MFU {plan.speed.mfu:.0%} against the {cluster.gpu} dense bf16 peak "
+                            f"({peak / 1e12:.0f} TFLOP/s)" + ("" if mfu is not None else
+                                                            "; anchors: " + "; ".join(tp.MFU_ANCHORS)))
+    if fp8:
+        plan.assumptions.append(f"fp8: x{tp.FP8_SPEEDUP} over bf16; anchor: {tp.FP8_ANCHOR}")
+    ckpt = money.checkpoint_seconds
+    if ckpt is None:
+        ckpt = checkpoint_seconds_estimate(shape, workload, cluster.nodes)
+        plan.assumptions.append(f"checkpoint: {ckpt:.0f} s to write master weights and optimizer state at "
+                                f"{tp.CHECKPOINT_WRITE_GBPS:g} GB/s per node (pass --checkpoint-seconds)")
+    plan.failures = tp.failures(cluster.world, cluster.nodes, ckpt, money.device_mtbf_hours)
+    if money.device_mtbf_hours == tp.DEVICE_MTBF_HOURS:
+        plan.assumptions.append(f"device MTBF {tp.DEVICE_MTBF_HOURS:,.0f} h; anchor: {tp.MTBF_ANCHOR}")
+    plan.assumptions.append(f"restart after a failure: {tp.RESTART_SECONDS / 60:.0f} min")
+    if money.spot_price is not None:
+        plan.spot_failures = tp.failures(cluster.world, cluster.nodes, ckpt, money.device_mtbf_hours,
+                                         money.preemptions_per_node_hour)
+    if money.token_budget is not None:
+        plan.cost = tp.cost(money.token_budget, plan.speed.tokens_per_second, cluster.world, plan.failures.overhead,
+                            money.price, money.spot_price,
+                            None if plan.spot_failures is None else plan.spot_failures.overhead)
+        plan.assumptions.append(f"cost: x{tp.OVERHEAD} for profiling, debugging and restarts")
+    return plan

@@ -1,0 +1,133 @@
+"""The planner's inputs, validated: the cluster, the workload, and one candidate layout.
+
+Units: bytes, and GB = 10^9 bytes (decimal, as datasheets print memory and as the reference
+figures are stated: 7B parameters x 16 B = 112 GB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_disttrain.callbacks.peak_flops import CHIPS
+
+GB = 1e9
+
+GPU_MEMORY_GB: dict[str, float] = {
+    "A100": 80, "H100 SXM": 80, "H100 PCIe": 80, "H100 NVL": 94, "GH200": 96, "H200": 141, "H200 NVL": 141,
+    "B200": 180, "GB200": 186, "L4": 24, "L40S": 48, "A10G": 24,
+}
+"""Memory per GPU as the datasheets print it (the larger part where there are two: A100 40 GB is
+``--gpu-memory 40``). HGX B200: 1,440 GB per 8 GPUs; GB200 NVL72: 13.4 TB per 72."""
+
+PRECISIONS = ("bf16", "fp8", "fp32", "bf16-pure")
+AC_POLICIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: ``gpu`` is a row of the peak table (``callbacks/peak_flops.py``) or ``"cpu"``."""
+
+    gpu: str = "H100 SXM"
+    gpus_per_node: int = 8
+    nodes: int = 1
+    memory_gb: float | None = None
+    """Memory per device; None: ``GPU_MEMORY_GB[gpu]`` (required for ``cpu``)."""
+
+    def __post_init__(self) -> None:
+        if self.gpu != "cpu" and self.gpu not in CHIPS:
+            raise ValueError(f"unknown GPU {self.gpu!r}; use one of {sorted(CHIPS)} or 'cpu' (with --gpu-memory)")
+        if self.gpus_per_node < 1 or self.nodes < 1:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} and nodes={self.nodes} must be >= 1")
+        if self.memory_gb is None and self.gpu == "cpu":
+            raise ValueError("gpu='cpu' has no memory size in the table: pass --gpu-memory GB")
+        if self.memory_gb is not None and self.memory_gb <= 0:
+            raise ValueError(f"memory_gb={self.memory_gb} must be > 0")
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def memory_bytes(self) -> float:
+        return (self.memory_gb if self.memory_gb is not None else GPU_MEMORY_GB[self.gpu]) * GB
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: sequence length, batch sizes (in sequences), precision, attention kernel."""
+
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step, over every data-parallel rank and accumulation step."""
+    micro_batch: int = 1
+    """Sequences per forward on one GPU."""
+    precision: str = "bf16"
+    """``bf16`` (mixed: bf16 compute, fp32 master weights and AdamW), ``fp8`` (the same state, float8
+    matmuls through torchao), ``fp32``, or ``bf16-pure`` (bf16 weights and AdamW moments, no master)."""
+    flash: bool = True
+    """Attention without a materialised score matrix (FlashAttention; torch's SDPA picks it on
+    GPUs and its CPU flash kernel on CPU for causal attention without dropout)."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is unknown; use one of {PRECISIONS}")
+        for name in ("seq_len", "global_batch", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.global_batch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to lay the model out: the degrees of ``NDParallelStrategy`` plus the ZeRO stage and
+    the activation checkpointing policy. ``zero``: 0 = DDP (nothing sharded), 1 = optimizer state
+    sharded, 2 = + gradients (FSDP2 ``reshard_after_forward=False``), 3 = + parameters (FSDP2)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 3
+    ac: str = "none"
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Layout.{name}={getattr(self, name)} must be >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Layout.zero={self.zero} must be 0 (DDP), 1, 2 or 3")
+        if self.ac not in AC_POLICIES:
+            raise ValueError(f"Layout.ac={self.ac!r} is unknown; use one of {AC_POLICIES}")
+        if self.dp_shard % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp_shard={self.dp_shard} (experts borrow FSDP ranks)")
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard(self) -> int:
+        """Ranks a dense parameter is sharded over (ZeRO)."""
+        return self.dp_shard if self.zero else 1
+
+    @property
+    def name(self) -> str:
+        if self.zero == 0:
+            parts = [f"DDP x{self.dp}"]
+        elif self.dp_replicate > 1:
+            parts = [f"HSDP {self.dp_replicate}x{self.dp_shard}"]
+        else:
+            parts = [f"ZeRO-{self.zero} x{self.dp_shard}" if self.zero < 3 else f"FSDP2 x{self.dp_shard}"]
+        parts += [f"{k.upper()} {v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
+        if self.ac != "none":
+            parts.append(f"AC {self.ac}")
+        return " + ".join(parts)

@@ -1,0 +1,103 @@
+"""`lightning-disttrain plan`: recommendations, JSON, errors, and a --write-config YAML that the CLI accepts."""
+
+import json
+
+import pytest
+import yaml
+
+from lightning_disttrain.cli import DistTrainCLI, main
+from lightning_disttrain.planning import Cluster, Workload, config_for, make_plan, shape_of
+from lightning_disttrain.planning.config_yaml import config_dict
+from lightning_disttrain.strategies import NDParallelStrategy
+
+
+def _plan(args, capsys) -> dict:
+    main(["plan", *args, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_recommends_the_simplest_layout_that_fits(capsys):
+    small = _plan(["--model", "gpt2-124m", "--seq-len", "1024", "--global-batch", "64", "--micro-batch", "8"], capsys)
+    assert small["recommendation"] == "DDP x8"
+    # llama2-7b at 4096 on one 8 x 80 GB node: DDP (~129 GB) does not fit, ZeRO-2 does
+    big = _plan(["--model", "llama2-7b", "--seq-len", "4096", "--global-batch", "64"], capsys)
+    assert big["recommendation"] == "ZeRO-2 x8"
+    assert big["reason"].startswith("ZeRO-2 x8 is the simplest layout that fits") and "DDP x8 needs" in big["reason"]
+    ddp = big["layouts"][0]
+    assert ddp["name"] == "DDP x8" and not ddp["memory_gb"]["fits"]
+    assert ddp["memory_gb"]["params"] + ddp["memory_gb"]["grads"] + ddp["memory_gb"]["optimizer"] == pytest.approx(
+        16 * 6_738_415_616 / 1e9)
+    # llama3-70b at 8192 on 2 x 8 H200: FSDP2 alone is over (182 GB of activations); full recompute fits
+    huge = _plan(["--model", "llama3-70b", "--gpu", "H200", "--nodes", "2", "--seq-len", "8192", "--global-batch",
+                  "64"], capsys)
+    assert huge["recommendation"] == "FSDP2 x16 + AC full"
+    fsdp = next(x for x in huge["layouts"] if x["name"] == "FSDP2 x16")
+    assert not fsdp["memory_gb"]["fits"] and fsdp["memory_gb"]["activations"] > 180
+
+
+def test_speed_cost_and_checkpoint_interval(capsys):
+    out = _plan(["--model", "llama2-7b", "--nodes", "2", "--seq-len", "4096", "--global-batch", "512", "--tokens",
+                 "2e11", "--price", "2.5", "--spot-price", "1.0", "--preemptions-per-hour", "0.05", "--mfu", "0.5",
+                 "--checkpoint-seconds", "30"], capsys)
+    speed = out["speed"]
+    flops = out["model"]["flops_per_token"] * 512 * 4096
+    assert speed["step_seconds"] == pytest.approx(flops / (16 * 989.4e12 * 0.5))
+    ck = out["checkpointing"]
+    assert ck["interval_minutes"] * 60 == pytest.approx((2 * 30 * ck["job_mtbf_hours"] * 3600) ** 0.5)
+    cost = out["cost"]
+    hours = 2e11 / speed["tokens_per_second"] / 3600 * (1 + ck["overhead"])
+    assert cost["hours"] == pytest.approx(hours)
+    assert cost["on_demand"] == pytest.approx(2.5 * 16 * hours * 1.2)
+    assert cost["spot_savings"] == pytest.approx(cost["on_demand"] - cost["spot"]) and cost["spot_savings"] > 0
+    assert any("MFU 50%" in a for a in out["assumptions"])
+
+
+def test_moe_layouts_include_expert_parallel(capsys):
+    out = _plan(["--model", "gpt2-moe", "--gpu-memory", "4", "--seq-len", "1024", "--global-batch", "64"], capsys)
+    names = [x["name"] for x in out["layouts"]]
+    assert "FSDP2 x8 + EP 8" in names and not any("TP" in n for n in names)
+    assert out["model"]["active_params"] < out["model"]["params"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--override", "n_layer"], "write FIELD=VALUE"),
+    (["--gpu", "H900"], "unknown GPU 'H900'"),
+    (["--spot-price", "1"], "needs --preemptions-per-hour"),
+    (["--global-batch", "0"], "global_batch=0 must be >= 1"),
+])
+def test_bad_input_names_the_fix(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", *args])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_written_config_is_a_valid_lightningcli_yaml(tmp_path, capsys):
+    path = tmp_path / "planned.yaml"
+    main(["plan", "--model", "llama2-7b", "--nodes", "2", "--seq-len", "4096", "--global-batch", "512",
+          "--micro-batch", "2", "--gpu-memory", "24", "--precision", "fp8", "--tokens", "1e10", "--write-config",
+          str(path)])
+    assert f"wrote {path}" in capsys.readouterr().out
+    cfg = yaml.safe_load(path.read_text())
+    strategy = cfg["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_disttrain.strategies.NDParallelStrategy"
+    NDParallelStrategy(**strategy["init_args"])  # the degrees are accepted by the strategy itself
+    callbacks = [c["class_path"].rsplit(".", 1)[1] for c in cfg["trainer"]["callbacks"]]
+    assert "Float8Training" in callbacks and "SelectiveActivationCheckpointing" in callbacks
+    assert cfg["trainer"]["accumulate_grad_batches"] * 2 * (16 // strategy["init_args"].get("tp", 1)) == 512
+    assert cfg["model"]["init_args"]["model_overrides"]["n_layer"] == 32
+    # LightningCLI parses and type-checks every class_path's init_args without building anything
+    with pytest.raises(SystemExit) as exit_:
+        DistTrainCLI(args=["fit", "--config", str(path), "--print_config"])
+    assert exit_.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["num_nodes"] == 2 and printed["data"]["init_args"]["seq_len"] == 4096
+
+
+def test_nothing_fits_is_said_and_not_written():
+    shape = shape_of(config_for("llama3-70b"), 8192, "llama3-70b")
+    plan = make_plan(shape, Workload(8192, 8), Cluster("L4", 8))
+    assert plan.chosen is None and plan.reason.startswith("nothing fits")
+    with pytest.raises(ValueError, match="no layout to write: nothing fits"):
+        config_dict(plan, "llama3-70b", {})
