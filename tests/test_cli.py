@@ -28,6 +28,7 @@ def test_shipped_configs_parse(config, tmp_path):
     ("tensor-parallel", "tensor_parallel: tp=2, 4 blocks + root, sequence parallel, loss parallel", "tp"),
     ("pipeline-parallel", "pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 4 micro-batches; this rank: stage 0 (blocks 0-1)",
      "pp"),
+    ("expert-parallel", "expert_parallel: ep=2, 3 MoE layers, experts FSDP over 1 ranks", "ep"),
 ])
 def test_parallel_configs_train_on_two_cpu_ranks(tmp_path, config, layout, dim):
     # The shipped config as a user runs it, shortened: 2 processes, validation, a sharded
@@ -41,6 +42,10 @@ def test_parallel_configs_train_on_two_cpu_ranks(tmp_path, config, layout, dim):
     assert "----- sample at step 4 -----" in text
     rows = list(csv.DictReader(open(next((tmp_path / f"runs/{config}/logs").glob("version_*/metrics.csv")))))
     assert any(r.get("val/loss") for r in rows) and any(r.get("train/loss") for r in rows)
+    if dim == "ep":  # load balance per MoE layer through the Trainer's logger
+        for i in (1, 2, 3):
+            assert any(r.get(f"moe/layer{i}/max_load_ratio") for r in rows)
+            assert any(r.get(f"moe/layer{i}/bias_norm") for r in rows)
     from lightning_disttrain.checkpoint import verify_checkpoint
 
     manifest = verify_checkpoint(tmp_path / f"runs/{config}/checkpoints/last.ckpt")  # sharded, complete
@@ -80,6 +85,10 @@ data:
     assert "----- sample at step 6 -----" in out.stderr + out.stdout
     rows = list(csv.DictReader(open(next((tmp_path / "logs").glob("version_*/metrics.csv")))))
     assert any(r.get("val/loss") for r in rows) and any(r.get("train/loss") for r in rows)
+    if dim == "ep":  # load balance per MoE layer through the Trainer's logger
+        for i in (1, 2, 3):
+            assert any(r.get(f"moe/layer{i}/max_load_ratio") for r in rows)
+            assert any(r.get(f"moe/layer{i}/bias_norm") for r in rows)
     assert list((tmp_path / "ckpt").iterdir())
 
 

@@ -117,11 +117,14 @@ def check_gpt_moe_fields(config) -> None:
 def grouped_mm_supported(*tensors: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes these operands: on CPU float32/bfloat16/float16, on
     CUDA bfloat16 (its kernel's only unscaled dtype), and on both the last dimension of every
-    operand a multiple of 16 bytes (the kernel refuses other strides)."""
+    operand a multiple of 16 bytes (the kernel refuses other strides). Under ``torch.compile``
+    bfloat16 only: the kernel's meta function refuses the others."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     t = tensors[0]
     ok_dtypes = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+    if torch.compiler.is_compiling():  # the kernel's meta function (tracing) takes bf16 only (torch 2.13)
+        ok_dtypes = {"cpu": (torch.bfloat16,), "cuda": (torch.bfloat16,)}
     if t.dtype not in ok_dtypes.get(t.device.type, ()):
         return False
     return all(x.dtype == t.dtype and (x.size(-1) * x.element_size()) % 16 == 0 for x in tensors)
@@ -207,7 +210,9 @@ def sort_by_expert(expert_idx: torch.Tensor, num_experts: int, capacity: int | N
     """
     flat = expert_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    routed = torch.bincount(flat, minlength=num_experts)
+    # a scatter-add rather than bincount: same counts, but a static output shape that
+    # torch.compile traces without a graph break
+    routed = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     if capacity is None:
         return order, routed, routed
     start = torch.cumsum(routed, 0) - routed  # first sorted position of each expert

@@ -11,6 +11,7 @@ import math
 import lightning as L
 import pytest
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
@@ -406,3 +407,28 @@ def test_bad_gpt_moe_fields_are_value_errors(overrides, match):
         GPTConfig.from_name("tiny", **overrides)
     with pytest.raises(ValueError, match=match):  # the LightningCLI / YAML route
         GPTModule("tiny", model_overrides=overrides)
+
+
+def test_float8_never_converts_the_router():
+    from lightning_disttrain.parallel.float8 import Float8Options, convert_to_float8
+
+    model = GPT(GPTConfig.from_name("tiny-moe", vocab_size=64))
+    converted = convert_to_float8(model, Float8Options(), device="cpu")
+    assert converted  # attention and the dense block's MLP are converted ...
+    for i, layer in moe_layers(model).items():  # ... the routers and the grouped experts are not
+        assert type(layer.router) is torch.nn.Linear and f"blocks.{i}.mlp.router" not in converted
+        assert not any(name.startswith(f"blocks.{i}.mlp.experts") for name in converted)
+
+
+def test_compiled_moe_block_equals_eager_without_graph_breaks_in_bf16():
+    # Dropless routing keeps every shape static (T*k assignments; the per-expert counts are a
+    # tensor that the grouped GEMM takes as offsets), so a bf16 block compiles as one graph.
+    torch.manual_seed(0)
+    cfg = GPTConfig.from_name("tiny-moe", vocab_size=64, n_layer=1, moe_first_dense=0, n_embd=64, n_head=2,
+                              moe_hidden=64)
+    block = GPT(cfg).blocks[0].to(torch.bfloat16)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    explained = torch._dynamo.explain(block)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(block, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)
