@@ -4,7 +4,8 @@
 strategy, loggers and callbacks are chosen by ``class_path`` (or a registered strategy name such
 as ``fsdp2``) in the YAML. ``prepare`` tokenizes text into llm.c shards; ``export`` writes a
 consolidated single-file state dict from a sharded checkpoint, or a Hugging Face model directory
-(``--format hf``).
+(``--format hf``); ``eval`` scores a checkpoint on zero-shot tasks and held-out loss
+(``lightning_disttrain/evals/command.py``).
 
 Errors: a class that refuses its configuration is reported as one line naming the config key
 (``error: trainer.strategy: NDParallelStrategy(pp=2) is not supported yet: ...``); an error during
@@ -33,6 +34,8 @@ _TOOLS = {
                "export a sharded checkpoint as one state-dict file, or as Hugging Face (--format hf)"),
     "plan": ("lightning_disttrain.planning.command", "plan_main",
              "memory per GPU by layout, the recommended layout, speed, cost, checkpoint interval"),
+    "eval": ("lightning_disttrain.evals.command", "eval_main",
+             "evaluate a checkpoint (directory or exported file) on zero-shot tasks and held-out loss"),
 }
 
 
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         getattr(importlib.import_module(module), fn)(argv[1:])
         return
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: lightning-disttrain {fit,validate,test,predict,prepare,export,plan} ...\n")
+        print("usage: lightning-disttrain {fit,validate,test,predict,prepare,export,plan,eval} ...\n")
         for name, (_, _, doc) in _TOOLS.items():
             print(f"  {name:9s} {doc}")
         print("  fit, validate, test, predict: LightningCLI subcommands (lightning-disttrain fit --help)\n")

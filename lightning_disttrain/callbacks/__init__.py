@@ -5,6 +5,7 @@ strategy, which applies it at its place in the fixed order) and under any other 
 """
 
 from lightning_disttrain.callbacks.activation_checkpointing import SelectiveActivationCheckpointing
+from lightning_disttrain.callbacks.checkpoint_eval import CheckpointEval
 from lightning_disttrain.callbacks.float8 import Float8Training
 from lightning_disttrain.callbacks.mfu import MFUMonitor
 from lightning_disttrain.callbacks.sample import SampleGeneration
@@ -12,4 +13,4 @@ from lightning_disttrain.callbacks.sample import SampleGeneration
 # Last, after mfu imported the submodule: the package name `peak_flops` is the function.
 from lightning_disttrain.callbacks.peak_flops import peak_flops  # noqa: E402
 
-__all__ = ["Float8Training", "MFUMonitor", "SampleGeneration", "SelectiveActivationCheckpointing", "peak_flops"]
+__all__ = ["CheckpointEval", "Float8Training", "MFUMonitor", "SampleGeneration", "SelectiveActivationCheckpointing", "peak_flops"]

@@ -50,6 +50,7 @@ from lightning_disttrain.checkpoint.discovery import (
     LAST_NAME,
     describe_checkpoint,
     find_latest_checkpoint,
+    gate_failure,
     list_checkpoints,
 )
 from lightning_disttrain.checkpoint.manifest import (
@@ -258,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="cast floating-point weights")
     p.add_argument("--no-verify", action="store_true", help="skip checking the files against manifest.json")
+    p.add_argument("--allow-failed", action="store_true",
+                   help="export a checkpoint the eval regression gate failed (its evals.json says so); without "
+                        "it such a checkpoint is refused, and skipped by --latest")
     return p
 
 
@@ -272,7 +276,7 @@ def export_main(argv: Sequence[str] | None = None) -> Path:
     given = Path(args.ckpt_dir)
     ckpt_dir, via = given, ""
     if args.latest:
-        found = find_latest_checkpoint(given)
+        found = find_latest_checkpoint(given, include_failed=args.allow_failed)
         if found is None:
             raise SystemExit(f"no complete checkpoint in {str(given)!r}")
         ckpt_dir, via = found, f", the newest complete checkpoint in {str(given)!r}"
@@ -281,6 +285,9 @@ def export_main(argv: Sequence[str] | None = None) -> Path:
             via = f", the target of {str(given)!r}"
         if LAST_NAME.match(given.name):
             _warn_if_not_newest(given)
+        if given.is_dir() and (why := gate_failure(given)) and not args.allow_failed:
+            raise SystemExit(f"error: {str(given)!r} was failed by the eval regression gate ({why}); "
+                             f"pass --allow-failed to export it anyway")
     with warnings.catch_warnings():
         # DCP warns that it "assumes the intent" of a single-process load; that is the intent.
         warnings.filterwarnings("ignore", message=".*torch.distributed is.*uninitialized.*")

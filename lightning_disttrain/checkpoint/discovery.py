@@ -7,6 +7,9 @@ each one it skips and why. "Newest" is the time the manifest says the checkpoint
 checkpoint without a manifest is dated by its newest file, so that it still counts as the newest
 (and is reported) when it is the one that was being written.
 
+A checkpoint whose ``evals.json`` says the eval regression gate failed it (``CheckpointEval``
+with a ``fail_checkpoint`` rule) is skipped as well, with a warning, unless ``include_failed``.
+
 Why completion time and not the global step: a new run started from scratch in a directory that
 still holds an older run's checkpoints (the quickstart run twice) saves low steps first. What
 the user expects after its first save is that run, not the older run's higher step, so the most
@@ -16,6 +19,7 @@ keep ``last.ckpt`` a link to that same checkpoint (``save_last: link``, no versi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -35,6 +39,20 @@ from lightning_disttrain.checkpoint.manifest import (
 # Things a checkpoint directory holds at some stage of being written; a directory with none of
 # them (and not named *.ckpt) is not ours and is left alone.
 _MARKERS = (MANIFEST_NAME, ".metadata", "meta.pt", "rng")
+EVALS_NAME = "evals.json"
+"""Eval results stored in a checkpoint directory by ``CheckpointEval`` (listed in its manifest)."""
+
+
+def gate_failure(ckpt_dir: str | os.PathLike) -> str | None:
+    """Why the eval gate failed this checkpoint (from its ``evals.json``), or None if it did not."""
+    path = Path(ckpt_dir) / EVALS_NAME
+    try:
+        gate = json.loads(path.read_text()).get("gate") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    if gate.get("failed_checkpoint"):
+        return "; ".join(v.get("message", "") for v in gate.get("violations", [])) or "failed by the eval gate"
+    return None
 
 
 @dataclass
@@ -50,6 +68,8 @@ class Candidate:
     timestamp: float
     """Completion time from the manifest; else the newest file's modification time."""
     global_step: int | None = None
+    failed: str | None = None
+    """Why the eval gate failed it (``evals.json``), or None."""
 
     def describe(self) -> str:
         """As ``describe_checkpoint``, from what listing read (no file access)."""
@@ -114,7 +134,8 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Candidate]:
         except CheckpointVerificationError:
             pass
         if manifest is not None:
-            found[resolved] = Candidate(entry, resolved, True, manifest.created_unix, manifest.global_step)
+            found[resolved] = Candidate(entry, resolved, True, manifest.created_unix, manifest.global_step,
+                                        gate_failure(resolved))
         else:
             found[resolved] = Candidate(entry, resolved, False, _newest_mtime(resolved))
     return sorted(found.values(), key=lambda c: (c.timestamp, c.global_step or -1), reverse=True)
@@ -123,8 +144,10 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Candidate]:
 def find_latest_checkpoint(directory: str | os.PathLike, *,
                            verify: Callable[[Path], object] = verify_checkpoint,
                            candidates: list[Candidate] | None = None,
-                           report: bool = True) -> Path | None:
+                           report: bool = True, include_failed: bool = False) -> Path | None:
     """The newest complete, verified checkpoint in ``directory``, or None if there is none.
+
+    Checkpoints the eval gate failed are skipped (with a warning) unless ``include_failed``.
 
     Each newer checkpoint that fails verification (no manifest, a missing, truncated or corrupted
     file) is skipped with a warning naming the reason. ``verify`` defaults to hashing every file
@@ -132,6 +155,11 @@ def find_latest_checkpoint(directory: str | os.PathLike, *,
     ``candidates`` listed once on rank 0, so that every rank walks the same list).
     """
     for cand in list_checkpoints(directory) if candidates is None else candidates:
+        if getattr(cand, "failed", None) and not include_failed:
+            if report:
+                warnings.warn(f"skipping checkpoint {str(cand.path)!r}: the eval gate failed it ({cand.failed}); "
+                              f"pass its path explicitly to use it anyway", stacklevel=2)
+            continue
         try:
             verify(cand.resolved)
         except CheckpointVerificationError as err:

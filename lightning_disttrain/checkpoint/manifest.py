@@ -205,6 +205,19 @@ def warn_unlisted(ckpt_dir: str | os.PathLike, manifest: Manifest) -> None:
                       f"(ignored): {extra[:5]}{' ...' if len(extra) > 5 else ''}", stacklevel=3)
 
 
+def add_to_manifest(ckpt_dir: str | os.PathLike, rel_paths: Iterable[str]) -> Manifest:
+    """Hash files written into a complete checkpoint after its manifest (``evals.json``) and list
+    them in it, rewritten atomically: a reader sees the old manifest or the new one, never half.
+
+    The rest of the manifest (its files, step, completion time) is kept as it was. Call it on one
+    rank only, and only once the save has its manifest (an async save finalises in the background).
+    """
+    manifest = read_manifest(ckpt_dir)
+    manifest.files = merge_entries([manifest.files, hash_files(ckpt_dir, rel_paths)])
+    write_manifest(ckpt_dir, manifest)
+    return manifest
+
+
 def merge_entries(parts: Iterable[Mapping[str, FileEntry]]) -> dict[str, FileEntry]:
     merged: dict[str, FileEntry] = {}
     for part in parts:
