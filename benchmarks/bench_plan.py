@@ -37,11 +37,11 @@ SHAPES = {"tiny": (256, 8), "small": (512, 4)}
 
 
 def worker(args) -> None:
+    import lightning as L
     import torch.distributed as dist
     from memory_meter import ProcessMeter, self_check
     from torch.utils.data import DataLoader
 
-    import lightning as L
     from lightning_disttrain import GPTModule
     from lightning_disttrain.callbacks import SelectiveActivationCheckpointing
     from lightning_disttrain.strategies import FSDP2Strategy

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_disttrain.models.gpt import PRESETS, GPT, GPTConfig
+from lightning_disttrain.models.gpt import GPT, PRESETS, GPTConfig
 
 _LLAMA = dict(mlp="swiglu", norm="rmsnorm", pos_emb="rope", bias=False, tie_embeddings=False, pad_vocab_multiple=1)
 SHAPES: dict[str, dict] = {

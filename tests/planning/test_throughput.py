@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from lightning_disttrain.planning import young_daly_interval
 from lightning_disttrain.planning import throughput as tp
+from lightning_disttrain.planning import young_daly_interval
 
 
 def test_young_daly_is_sqrt_of_twice_cost_times_mtbf():
