@@ -41,7 +41,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_disttrain.evals.gate import RegressionGate
-from lightning_disttrain.evals.results import checkpoint_complete, evals_record, print_table, write_evals
+from lightning_disttrain.evals.results import checkpoint_complete, evals_record, print_results, write_evals
 from lightning_disttrain.evals.suite import EvalResults, EvalSuite, run_tokenizer
 
 MODES = ("inline", "subprocess")
@@ -197,7 +197,7 @@ class CheckpointEval(L.Callback):
         for name, value in metrics.items():
             trainer.callback_metrics[name] = torch.tensor(value)
         if self.print_table and trainer.is_global_zero:
-            print_table(results, step, f" ({path.name})" if path is not None else "")
+            print_results(results, step, f" ({path.name})" if path is not None else "")
         violations = self.gate.check(metrics, step)
         fail = [v for v in violations if v.rule.action == "fail_checkpoint"]
         gate = {"passed": not violations, "failed_checkpoint": bool(fail) and path is not None,
@@ -260,7 +260,7 @@ class CheckpointEval(L.Callback):
 
                 self.suite.prepare(tokenizer, datamodule=trainer.datamodule, max_length=model_max_length(pl_module))
                 self._handoff.heldout_file = str(self._handoff.workdir / "heldout.pt")
-                torch.save(self.suite._windows, self._handoff.heldout_file)
+                torch.save(self.suite.windows, self._handoff.heldout_file)
         return self._handoff
 
     def _collect(self, trainer, wait: bool, agree: bool = True) -> None:

@@ -18,6 +18,7 @@ Results: a table, ``--output FILE.json`` (metrics, items, seconds per task), and
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import warnings
 from collections.abc import Sequence
@@ -96,8 +97,8 @@ def load_module(path: Path) -> tuple[Any, dict[str, Any]]:
             if exported.model_config is None:
                 raise ValueError(f"{str(path)!r} carries no model config; re-export it with `lightning-disttrain export`")
             hparams, state, data_hparams = {"config": exported.model_config}, exported.state_dict, {}
-    allowed = GPTModule.__init__.__code__.co_varnames[1:GPTModule.__init__.__code__.co_argcount]
-    kwargs = {k: v for k, v in hparams.items() if k in allowed}
+    allowed = inspect.signature(GPTModule.__init__).parameters
+    kwargs = {k: v for k, v in hparams.items() if k in allowed and k != "self"}
     kwargs.update(init_from=None, init_device=None)  # the weights come from the checkpoint
     module = GPTModule(**kwargs)
     module.configure_model()
@@ -129,17 +130,17 @@ def evaluate_checkpoint(args: argparse.Namespace) -> EvalResults | None:
     strategy = args.strategy or ("fsdp2" if args.devices > 1 else "auto")
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[runner], limit_val_batches=1, num_sanity_val_steps=0)
+                        callbacks=[runner], limit_val_batches=1, num_sanity_val_steps=0, use_distributed_sampler=False)
     one = torch.zeros(1, dtype=torch.long)
     trainer.validate(module, dataloaders=DataLoader([(one, one)], batch_size=1), verbose=False)
     if not trainer.is_global_zero:
         return None
     from lightning_disttrain.checkpoint.manifest import read_manifest
-    from lightning_disttrain.evals.results import evals_record, print_table, write_evals
+    from lightning_disttrain.evals.results import evals_record, print_results, write_evals
 
     results = runner.results
     manifest = read_manifest(path) if path.is_dir() else None
-    print_table(results, manifest.global_step if manifest else None, f" ({path})")
+    print_results(results, manifest.global_step if manifest else None, f" ({path})")
     if args.output:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)

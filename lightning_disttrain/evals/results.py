@@ -65,7 +65,7 @@ def read_evals(ckpt: str | os.PathLike) -> dict[str, Any] | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
-def print_table(results: EvalResults, step: int | None, title_extra: str = "") -> None:
+def print_results(results: EvalResults, step: int | None, title_extra: str = "") -> None:
     """One table of every task's metrics (call on rank 0)."""
     from rich.console import Console
     from rich.table import Table

@@ -90,6 +90,11 @@ class EvalSuite:
             raise ValueError(f"limit={self.limit}: give a positive number of items per task, or None for all")
 
     @property
+    def windows(self) -> torch.Tensor | None:
+        """The held-out windows (N, seq_len + 1), once ``prepare`` has read them."""
+        return self._windows
+
+    @property
     def names(self) -> list[str]:
         return [parse_task(t)[0] for t in self.tasks]
 

@@ -101,7 +101,7 @@ def equal_weights_run(run: str, devices: int) -> dict:
     trainer = _trainer(devices, strategy, dirpath, 4, [cb])
     trainer.fit(_module(lr=0.0), datamodule=_data())
     if trainer.is_global_zero:  # the held-out windows, for the eval command to score the same ones
-        torch.save(cb.suite._windows, dirpath / "heldout.pt")
+        torch.save(cb.suite.windows, dirpath / "heldout.pt")
     return {"history": cb.history, "evals": _evals_files(dirpath) if trainer.is_global_zero else {},
             "dir": str(dirpath)}
 

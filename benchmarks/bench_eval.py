@@ -1,0 +1,158 @@
+"""Checkpoint evals: time per checkpoint for the ``small`` GPT on CPU, per task and in total, and
+the pause they cause in training, inline vs in a separate process.
+
+    python benchmarks/bench_eval.py                        # both parts
+    python benchmarks/bench_eval.py --part tasks --limit 50 --repeats 2
+    python benchmarks/bench_eval.py --part pause --steps 8 --every 4 --pause-limit 10
+
+``tasks``: ``EvalSuite`` on ``GPTModule("small")`` with GPT-2's vocabulary (~30M parameters), one
+process, one thread: the first ``--limit`` items of every shipped set (``../shared/evals``) and
+``--heldout-windows`` held-out windows of 256 tokens (README.md, GPT-2 BPE); ``--repeats`` rounds, min / median / max.
+
+``pause``: three ``fit`` runs of the same model (1 process, 1 thread, FSDP2Strategy so that
+checkpoints are DCP directories; batch 2 x 128 random tokens), a checkpoint every ``--every``
+steps, with (a) no evals, (b) ``CheckpointEval(mode="inline")``, (c) ``CheckpointEval(mode=
+"subprocess")`` (the eval command in a second process, 1 thread), the eval suite with
+``--pause-limit`` items per task. Recorded: every step's wall time (a checkpoint step includes
+the save and, inline, the evaluation), the fit's total, and for (c) how long ``fit`` waited at
+the end for the last evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+EVALS = REPO.parent / "shared" / "evals"
+TASKS = ["heldout", "lambada_openai", "piqa", "arc_easy", "arc_challenge", "winogrande", "copa", "openbook_qa"]
+
+
+HELDOUT_WINDOWS = 8
+
+
+def _suite(limit: int):
+    from lightning_disttrain.evals import EvalSuite
+
+    return EvalSuite(tasks=TASKS, data_dir=str(EVALS), limit=limit, batch_size=16, heldout=str(REPO / "README.md"),
+                     heldout_windows=HELDOUT_WINDOWS, heldout_seq_len=256)
+
+
+def part_tasks(limit: int, repeats: int) -> None:
+    from lightning_disttrain import GPTModule
+    from lightning_disttrain.data import get_tokenizer
+
+    torch.manual_seed(0)
+    module = GPTModule("small")
+    module.configure_model()
+    tokenizer = get_tokenizer("gpt2")
+    suite = _suite(limit)
+    start = time.perf_counter()
+    suite.prepare(tokenizer, max_length=module.config.block_size)
+    print(f"read + tokenize once: {time.perf_counter() - start:.2f}s")
+    rounds = [suite.run_module(module, None, tokenizer=tokenizer) for _ in range(repeats)]
+    requests = {name: sum(len(r) for r in reqs) for name, reqs in suite._requests.items()}
+    print(f"{'task':15s} {'items':>5s} {'requests':>8s} {'s min':>7s} {'median':>7s} {'max':>7s} {'ms/request':>10s}")
+    for name in [*suite.names, "total"]:
+        times = [r.seconds[name] for r in rounds]
+        n_req = requests.get(name, rounds[0].items.get(name)) if name != "total" else sum(
+            [*requests.values(), rounds[0].items.get("heldout", 0)])
+        items = rounds[0].items.get(name, sum(rounds[0].items.values()) if name == "total" else 0)
+        print(f"{name:15s} {items:5d} {n_req:8d} {min(times):7.2f} {statistics.median(times):7.2f} {max(times):7.2f} "
+              f"{1000 * min(times) / max(n_req, 1):10.1f}")
+
+
+class StepTimer:
+    def __new__(cls):
+        import lightning as L
+
+        class _StepTimer(L.Callback):
+            def __init__(self):
+                self.marks: list[float] = []
+                self.train_end: float | None = None
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                self.marks.append(time.perf_counter())
+
+            def on_train_end(self, trainer, pl_module):  # runs before CheckpointEval's (callback order)
+                self.marks.append(time.perf_counter())
+
+        return _StepTimer()
+
+
+def _fit(mode: str, steps: int, every: int, limit: int, root: Path) -> dict:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_disttrain import GPTModule
+    from lightning_disttrain.callbacks import CheckpointEval
+    from lightning_disttrain.strategies import FSDP2Strategy
+
+    L.seed_everything(0)
+    tokens = torch.randint(0, 50257, (steps * 2, 129))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    timer = StepTimer()
+    callbacks = [timer, ModelCheckpoint(dirpath=root / mode, every_n_train_steps=every, save_top_k=-1)]
+    if mode != "none":
+        s = _suite(limit)
+        callbacks.insert(1, CheckpointEval(tasks=s.tasks, data_dir=s.data_dir, limit=limit, heldout=s.heldout,
+                                           heldout_windows=s.heldout_windows, heldout_seq_len=s.heldout_seq_len,
+                                           tokenizer="gpt2", mode=mode, print_table=False,
+                                           subprocess_env={"OMP_NUM_THREADS": "1"}))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(), max_steps=steps, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        limit_val_batches=0)
+    start = time.perf_counter()
+    trainer.fit(GPTModule("small", lr=1e-4, warmup_steps=0), train_dataloaders=loader)
+    total = time.perf_counter() - start
+    marks = timer.marks
+    step_times = [b - a for a, b in zip(marks[:-1], marks[1:])]  # step i: batch start i -> batch start i + 1
+    ckpt_steps = {s - 1 for s in range(every, steps + 1, every)}  # 0-based index of steps ending in a save
+    plain = [t for i, t in enumerate(step_times) if i not in ckpt_steps and i > 0]
+    saved = [t for i, t in enumerate(step_times) if i in ckpt_steps]
+    return {"mode": mode, "plain": statistics.median(plain), "saved": saved, "total": total,
+            "end_wait": total - (marks[-1] - start)}
+
+
+def part_pause(steps: int, every: int, limit: int) -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [_fit(mode, steps, every, limit, Path(tmp)) for mode in ("none", "inline", "subprocess")]
+    base = statistics.median(rows[0]["saved"])
+    for r in rows:
+        pauses = [t - r["plain"] for t in r["saved"]]
+        print(f"{r['mode']:10s} step {r['plain']:.2f}s  checkpoint steps " + " ".join(f"{t:.2f}" for t in r["saved"])
+              + f"  pause over a step: median {statistics.median(pauses):.2f}s (save-only runs: "
+              f"{base - rows[0]['plain']:.2f}s)  fit total {r['total']:.1f}s  waited at end {r['end_wait']:.1f}s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=("tasks", "pause", "all"), default="all")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--pause-limit", type=int, default=10)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--heldout-windows", type=int, default=8)
+    args = p.parse_args()
+    global HELDOUT_WINDOWS
+    HELDOUT_WINDOWS = args.heldout_windows
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 1 thread, load average {os.getloadavg()}")
+    if args.part in ("tasks", "all"):
+        part_tasks(args.limit, args.repeats)
+    if args.part in ("pause", "all"):
+        part_pause(args.steps, args.every, args.pause_limit)
+    print(f"load average at end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
