@@ -6,12 +6,14 @@ Each WORKER is a module in tests/strategies or tests/callbacks with ``fit_run(ru
 dict`` (fsdp2_worker, tp_worker, pp_worker, callbacks_worker, ...). ``L.Trainer(devices=DEVICES)``
 in the first run re-launches this script on the other ranks (Lightning's subprocess launcher); every later run reuses those
 processes and their process group, so the suite pays Python's and Lightning's start-up once per
-world size instead of once per worker. Each rank writes ``OUT_DIR/WORKER.RUN.rankR.json``.
+world size instead of once per worker. Each rank writes ``OUT_DIR/WORKER.RUN.rankR.json``; runs
+find ``OUT_DIR`` in ``LDT_LAUNCH_OUT`` for files every rank shares.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from dist_utils import write_rank_json  # noqa: E402
 
 def main() -> None:
     out_dir, devices, jobs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    os.environ["LDT_LAUNCH_OUT"] = str(Path(out_dir).resolve())  # a directory every rank of the launch shares
     for job in jobs:
         worker, run = job.split(":")
         result = importlib.import_module(worker).fit_run(run, devices)

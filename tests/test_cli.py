@@ -23,24 +23,29 @@ def test_shipped_configs_parse(config, tmp_path):
     assert "strategy: fsdp2" in out.stdout
 
 
+# The shipped parallel configs, shortened, in the suite's shared 2-rank launch (tests/conftest.py,
+# tests/strategies/config_worker.py): 2 processes, validation, a sharded checkpoint, the sample.
+WORKER = "config_worker"
+PARALLEL_CONFIGS = {
+    "tensor-parallel": ("tensor_parallel: tp=2, 4 blocks + root, sequence parallel, loss parallel", "tp"),
+    "pipeline-parallel": ("pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 4 micro-batches; this rank: stage 0 "
+                          "(blocks 0-1)", "pp"),
+    "expert-parallel": ("expert_parallel: ep=2, 3 MoE layers, experts FSDP over 1 ranks", "ep"),
+}
+LAUNCH = {2: list(PARALLEL_CONFIGS)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("config", "layout", "dim"), [
-    ("tensor-parallel", "tensor_parallel: tp=2, 4 blocks + root, sequence parallel, loss parallel", "tp"),
-    ("pipeline-parallel", "pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 4 micro-batches; this rank: stage 0 (blocks 0-1)",
-     "pp"),
-    ("expert-parallel", "expert_parallel: ep=2, 3 MoE layers, experts FSDP over 1 ranks", "ep"),
-])
-def test_parallel_configs_train_on_two_cpu_ranks(tmp_path, config, layout, dim):
-    # The shipped config as a user runs it, shortened: 2 processes, validation, a sharded
-    # checkpoint and the sample at the end.
-    out = _run(["fit", "--config", str(REPO / "configs" / f"{config}.yaml"), "--trainer.max_steps", "4",
-                "--trainer.val_check_interval", "4", "--trainer.log_every_n_steps", "2", "--data.init_args.max_docs", "40",
-                "--data.init_args.cache_dir", str(tmp_path / "cache")], tmp_path, timeout=400)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
+@pytest.mark.parametrize("config", list(PARALLEL_CONFIGS))
+def test_parallel_configs_train_on_two_cpu_ranks(launched, config):
+    layout, dim = PARALLEL_CONFIGS[config]
+    rank0 = launched(WORKER, 2)[config][0]
+    assert rank0["steps"] == 4
+    text = "\n".join(rank0["log"] + rank0["layout"])
     assert layout in text
     assert "----- sample at step 4 -----" in text
-    rows = list(csv.DictReader(open(next((tmp_path / f"runs/{config}/logs").glob("version_*/metrics.csv")))))
+    runs = Path(rank0["runs"])
+    rows = list(csv.DictReader(open(next((runs / "logs").glob("version_*/metrics.csv")))))
     assert any(r.get("val/loss") for r in rows) and any(r.get("train/loss") for r in rows)
     if dim == "ep":  # load balance per MoE layer through the Trainer's logger
         for i in (1, 2, 3):
@@ -48,7 +53,7 @@ def test_parallel_configs_train_on_two_cpu_ranks(tmp_path, config, layout, dim):
             assert any(r.get(f"moe/layer{i}/bias_norm") for r in rows)
     from lightning_disttrain.checkpoint import verify_checkpoint
 
-    manifest = verify_checkpoint(tmp_path / f"runs/{config}/checkpoints/last.ckpt")  # sharded, complete
+    manifest = verify_checkpoint(runs / "checkpoints" / "last.ckpt")  # sharded, complete
     assert manifest.global_step == 4 and manifest.extra["parallel_dims"][dim] == 2
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -44,8 +43,7 @@ class Tokens(Dataset):
 
 
 def _shared_dir(run: str) -> Path:
-    # Both ranks of this launch see the same MASTER_PORT: one directory for the run.
-    path = Path(tempfile.gettempdir()) / f"ldt_profiler_{os.environ.get('MASTER_PORT', 'local')}" / run
+    path = Path(os.environ["LDT_LAUNCH_OUT"]) / f"profiler_{run}"  # the launch's directory (tests/multi_worker.py)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -67,7 +65,7 @@ def _fit(run: str, devices: int, sleep: float, start: int) -> dict:
     trainer.fit(module, DataLoader(Tokens(8 * (start + 2) * devices, sleep), batch_size=4))
     rank = dist.get_rank()
     return {"breakdown": cb.result.to_dict(), "trace": _trace_facts(out / f"trace_rank{rank}.json"),
-            "state": cb.state_dict()["done"], "files": sorted(p.name for p in out.iterdir()), "dir": str(out.parent)}
+            "state": cb.state_dict()["done"], "files": sorted(p.name for p in out.iterdir()), "dir": str(out)}
 
 
 def config(devices: int) -> dict:
@@ -85,7 +83,7 @@ def config(devices: int) -> dict:
     cli = DistTrainCLI(args=["fit", "--config", str(path)])
     cb = next(c for c in cli.trainer.callbacks if isinstance(c, ProfilerCallback))
     metrics = next(out.glob("logs/version_*/metrics.csv")).read_text() if dist.get_rank() == 0 else ""
-    return {"breakdown": cb.result.to_dict(), "steps": cli.trainer.global_step, "dir": str(out.parent),
+    return {"breakdown": cb.result.to_dict(), "steps": cli.trainer.global_step, "dir": str(out),
             "logged": [c for c in metrics.splitlines()[0].split(",") if c.startswith("profiler/")] if metrics else []}
 
 

@@ -1,0 +1,48 @@
+"""The shipped parallel configs (configs/{tensor,pipeline,expert}-parallel.yaml) as a user runs
+them with ``lightning-disttrain fit --config``, shortened (4 steps, validation at step 4, 40
+documents), through ``DistTrainCLI`` inside the suite's shared 2-rank launch: ``fit_run(CONFIG,
+DEVICES)``. Every path of the config is moved under the launch's directory; rank 0 reports what
+the strategy and the sample callback logged and where the CSV log and the checkpoint are."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _Captured(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def fit_run(run: str, devices: int) -> dict:
+    from lightning_disttrain.cli import DistTrainCLI
+
+    out = Path(os.environ["LDT_LAUNCH_OUT"]) / f"config_{run}"
+    out.mkdir(parents=True, exist_ok=True)
+    text = (REPO / "configs" / f"{run}.yaml").read_text().replace("runs/", f"{out}/runs/")
+    path = out / f"{run}.rank{os.environ.get('LOCAL_RANK', '0')}.yaml"  # the process group may not exist yet
+    path.write_text(text)
+    captured = _Captured()
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]  # rank_zero_info's
+    for logger in loggers:
+        logger.addHandler(captured)
+    try:
+        cli = DistTrainCLI(args=["fit", "--config", str(path), "--trainer.max_steps", "4",
+                                 "--trainer.val_check_interval", "4", "--trainer.log_every_n_steps", "2",
+                                 "--data.init_args.max_docs", "40", "--data.init_args.cache_dir", str(out / "cache")])
+    finally:
+        for logger in loggers:
+            logger.removeHandler(captured)
+    assert yaml.safe_load(text)["trainer"]["default_root_dir"].startswith(str(out))
+    return {"steps": cli.trainer.global_step, "log": captured.lines, "runs": str(out / "runs" / run),
+            "layout": cli.trainer.strategy.parallelized_steps}
