@@ -191,6 +191,7 @@ class GPTModule(L.LightningModule):
         return ParallelPlan(blocks=m.blocks, fsdp_groups=groups,
                             tp_block_plan=lambda options: gpt_tp.block_plan(c, options),
                             tp_root_plan=lambda options: gpt_tp.root_plan(c, options, prefix="model"),
+                            moe_layers=list(moe_layers(m).values()),
                             pipeline=PipelinePlan(m, first=("wte", "wpe"), last=("ln_f", "lm_head")))
 
     def flops_per_token(self, seq_len: int | None = None) -> int:

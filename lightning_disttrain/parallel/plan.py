@@ -38,7 +38,8 @@ class ParallelPlan:
     tp_root_plan: dict | None = None
     """``parallelize_module`` plan for the root: embedding, final norm, head."""
     moe_layers: list[nn.Module] | None = None
-    """Mixture-of-experts layers, for expert parallel."""
+    """Mixture-of-experts layers (``models.moe.MoE``), whose routed experts expert parallel splits;
+    None: the strategy finds every ``MoE`` in the model itself."""
     pipeline: PipelinePlan | None = None
     """How the model splits into pipeline stages (``parallel.pipeline.PipelinePlan``); pp > 1 needs it."""
 

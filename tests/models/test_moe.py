@@ -432,3 +432,10 @@ def test_compiled_moe_block_equals_eager_without_graph_breaks_in_bf16():
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     compiled = torch.compile(block, backend="aot_eager")
     torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)
+
+
+def test_the_parallel_plan_exposes_the_moe_layers():
+    module = GPTModule("tiny-moe", vocab_size=64)
+    plan = module.parallel_plan()
+    assert plan.moe_layers == list(moe_layers(module.model).values()) and len(plan.moe_layers) == 3
+    assert GPTModule("tiny", vocab_size=64).parallel_plan().moe_layers == []
