@@ -1,4 +1,5 @@
-"""Callbacks for any Lightning project: activation checkpointing, float8, MFU, samples, profiling.
+"""Callbacks for any Lightning project: activation checkpointing, float8, MFU, samples, profiling,
+preemption checkpoints.
 
 Each works under lightning-disttrain's strategies (registering its model transform with the
 strategy, which applies it at its place in the fixed order) and under any other strategy.
@@ -8,10 +9,13 @@ from lightning_disttrain.callbacks.activation_checkpointing import SelectiveActi
 from lightning_disttrain.callbacks.checkpoint_eval import CheckpointEval
 from lightning_disttrain.callbacks.float8 import Float8Training
 from lightning_disttrain.callbacks.mfu import MFUMonitor
+from lightning_disttrain.callbacks.preemption import PreemptionCheckpoint, PreemptionExit
+from lightning_disttrain.callbacks.preemption_notices import AWSSpotNotice, GCPPreemptionNotice
 from lightning_disttrain.callbacks.profiler import ProfilerCallback
 from lightning_disttrain.callbacks.sample import SampleGeneration
 
 # Last, after mfu imported the submodule: the package name `peak_flops` is the function.
 from lightning_disttrain.callbacks.peak_flops import peak_flops  # noqa: E402
 
-__all__ = ["CheckpointEval", "Float8Training", "MFUMonitor", "ProfilerCallback", "SampleGeneration", "SelectiveActivationCheckpointing", "peak_flops"]
+__all__ = ["AWSSpotNotice", "CheckpointEval", "Float8Training", "GCPPreemptionNotice", "MFUMonitor",
+           "PreemptionCheckpoint", "PreemptionExit", "ProfilerCallback", "SampleGeneration", "SelectiveActivationCheckpointing", "peak_flops"]

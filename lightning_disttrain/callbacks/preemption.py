@@ -1,0 +1,348 @@
+"""PreemptionCheckpoint: a preemption signal on any rank becomes one agreed save, then a clean exit.
+
+What happens, in order:
+
+1. Signal handlers (SIGTERM and SIGUSR1 by default) and the optional polled ``notice`` only set a
+   flag. They replace Lightning's own SIGTERM handling, which runs a ``dist.broadcast`` inside the
+   handler: the signalled rank then waits in that broadcast while the others wait in the step's
+   reduce-scatter, and both hang until the 30-minute collective timeout. Lightning's SLURM
+   SIGUSR1 handler (a save inside the handler) is replaced for the same reason.
+2. At a step boundary (``on_train_batch_end`` after an optimizer step, every
+   ``check_every_n_steps`` steps) all ranks agree: one ``all_reduce(MAX)`` of a one-element tensor
+   over the default group. The signal may have reached any subset of the ranks.
+3. If any rank was told: wait for the async save in flight, save synchronously (manifest last) to
+   ``<dirpath>/preempted-step=NNNNNN.ckpt``, point ``<dirpath>/last.ckpt`` at it (unless that name
+   is a real checkpoint directory), log one line, requeue the job under SLURM (``scontrol requeue``,
+   as Lightning's SLURM integration does) and exit with ``exit_code`` on every rank
+   (``PreemptionExit``, a ``SystemExit``). A watchdog ends the process with ``exit_code`` if the
+   save has not finished ``grace_period_s`` after the agreement: the partial checkpoint has no
+   manifest, so resume discovery skips it and takes the previous complete one.
+
+Resume: ``trainer.fit(..., ckpt_path="last")`` finds ``last.ckpt`` and the DCP strategies
+resolve it to the newest checkpoint in its directory that verifies. For a first launch that may
+have no checkpoint at all, ``ckpt_path=PreemptionCheckpoint.resume_path(dirpath)`` is the newest
+complete checkpoint there or None (start from scratch).
+
+A rank that loses a peer (SIGKILL, a lost node) gets an error from its next collective (gloo:
+"Connection closed by peer", at once) and Lightning ends the run; nothing can be saved without
+the peer's shards. ``on_exception`` points ``last.ckpt`` at the newest complete checkpoint (a
+link, no collective) and logs which one a relaunch with ``ckpt_path="last"`` will use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_disttrain.callbacks.preemption_notices import Notice, NoticePoller
+from lightning_disttrain.checkpoint.storage import check_writable, is_url
+
+log = logging.getLogger(__name__)
+
+SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2,
+           "SIGINT": signal.SIGINT, "SIGHUP": signal.SIGHUP}
+
+
+class PreemptionExit(SystemExit):
+    """Raised on every rank after the agreed preemption checkpoint is complete; ``code`` is the exit code."""
+
+    def __init__(self, code: int, path: str | None, step: int) -> None:
+        super().__init__(code)
+        self.path, self.step = path, step
+
+
+class PreemptionCheckpoint(Callback):
+    """Save once, on every rank together, when any rank is told it will be preempted; then exit.
+
+    Args:
+        dirpath: where the preemption checkpoint goes; default: the ``ModelCheckpoint``'s
+            directory, else ``<default_root_dir>/checkpoints``. A local path or an fsspec URL.
+            Checked writable on every rank at the start of ``fit``.
+        signals: names of the signals that mean "preempted" (``"SIGTERM"``: cloud spot,
+            Kubernetes; ``"SIGUSR1"``: SLURM ``--signal=USR1@120``).
+        notice: a callable polled from a background thread (``AWSSpotNotice()``,
+            ``GCPPreemptionNotice()``, or your own) returning a reason when preemption is announced.
+        poll_interval_s: how often ``notice`` is called.
+        check_every_n_steps: agree every k optimizer steps (one all-reduce of 4 bytes each time).
+        grace_period_s: the deadline for the save, from the agreement; past it the process exits
+            without a complete checkpoint (the previous one is used on resume).
+        exit_code: the exit status of every rank after the save (143 = 128 + SIGTERM; a non-zero
+            status makes torchrun's ``--max-restarts`` and Kubernetes restart the job).
+        requeue: under SLURM, ``scontrol requeue`` the job after the save (global rank 0).
+    """
+
+    def __init__(self, dirpath: str | os.PathLike | None = None, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+                 notice: Notice | None = None, poll_interval_s: float = 5.0, check_every_n_steps: int = 1,
+                 grace_period_s: float = 120.0, exit_code: int = 143, requeue: bool = True) -> None:
+        unknown = [s for s in signals if s not in SIGNALS]
+        if unknown:
+            raise ValueError(f"signals={list(signals)}: unknown {unknown}; choose from {sorted(SIGNALS)}")
+        if check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps={check_every_n_steps}: agree at least every step (1) or every k > 1")
+        if grace_period_s <= 0:
+            raise ValueError(f"grace_period_s={grace_period_s}: give the save a positive deadline, e.g. 90 "
+                             f"(AWS gives 120 s notice, GCP 30 s)")
+        if not 0 <= exit_code <= 255:
+            raise ValueError(f"exit_code={exit_code}: an exit status is 0..255")
+        if poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s={poll_interval_s}: poll at a positive interval, e.g. 5")
+        self.dirpath = None if dirpath is None else str(dirpath)
+        self.signals = tuple(signals)
+        self.notice, self.poll_interval_s = notice, poll_interval_s
+        self.check_every_n_steps, self.grace_period_s = check_every_n_steps, grace_period_s
+        self.exit_code, self.requeue = exit_code, requeue
+        self.reason: str | None = None
+        """Why this rank wants to stop (set by a signal handler or the notice thread), else None."""
+        self.agreement_seconds: list[float] = []
+        """Wall time of each agreement collective on this rank (for measuring its cost)."""
+        self._previous: dict[int, Any] = {}
+        self._checked_step = -1
+        self._poller: NoticePoller | None = None
+
+    # ---- the flag ---------------------------------------------------------------------------
+
+    def request(self, reason: str) -> None:
+        """Ask for a preemption checkpoint at the next agreement (what the handlers call; thread-safe)."""
+        if self.reason is None:
+            self.reason = reason
+
+    def _on_signal(self, signum: int, frame: Any = None) -> None:
+        self.request(f"received {signal.Signals(signum).name}")  # only a flag: no I/O, no collective
+
+    def _take_over_lightnings_handlers(self, trainer: pl.Trainer) -> None:
+        # Lightning registers its handlers (a broadcast inside) just before training starts, after
+        # on_fit_start; make its parts ours, so that a signal that arrives between then and
+        # on_train_start is only a flag too. Its teardown restores the handlers it found.
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:
+            connector._sigterm_notifier_fn = self._on_signal
+            connector._slurm_sigusr_handler_fn = self._on_signal
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python installs handlers from the main thread only
+        for name in self.signals:
+            signum = SIGNALS[name]
+            current = signal.getsignal(signum)
+            if current is not self._on_signal:
+                self._previous.setdefault(signum, current)
+                signal.signal(signum, self._on_signal)
+
+    def _restore_handlers(self) -> None:
+        # Lightning's teardown has restored the handlers it found before fit by now (it runs before
+        # the teardown hooks); put back what we replaced only where that did not happen.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) is self._on_signal:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    # ---- Lightning hooks --------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.reason = None
+            self._checked_step = -1
+            self._take_over_lightnings_handlers(trainer)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Every ModelCheckpoint has resolved its directory by now (its setup runs after ours).
+        self.dirpath = self.dirpath or self._default_dirpath(trainer)
+        dirs = {self.dirpath} | {str(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                                 if isinstance(cb, ModelCheckpoint) and cb.dirpath}
+        problems = [p for d in sorted(dirs) if (p := check_writable(d))]
+        gathered = _all_gather_objects(problems)
+        if any(gathered):
+            ranks = [r for r, p in enumerate(gathered) if p]
+            raise ValueError(f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+                             f"{next(p for p in gathered if p)[0]}")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install_handlers()  # replaces what Lightning registered just before training
+        if self.notice is not None and trainer.local_rank == 0 and self._poller is None:
+            self._poller = NoticePoller(self.notice, self.poll_interval_s, self.request)
+            self._poller.start()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._checked_step or step % self.check_every_n_steps:
+            return  # not a step boundary (gradient accumulation), or not a checking step
+        self._checked_step = step
+        if self._agree(trainer):
+            self._save_and_exit(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, PreemptionExit):
+            return
+        from lightning_disttrain.rank_errors import is_secondary
+
+        if is_secondary(exception) and self.dirpath and not is_url(self.dirpath):
+            from lightning_disttrain.checkpoint.discovery import list_checkpoints
+
+            # No collective here (a peer is gone): only a link, so that ckpt_path="last" finds
+            # this directory on the relaunch; resume verifies and falls back by itself.
+            complete = [c for c in list_checkpoints(self.dirpath) if c.complete and c.path.name != "last.ckpt"]
+            if complete:
+                _point_last_at(complete[0].resolved)
+            log.error("rank %d: a peer process is gone (%s); no checkpoint can be saved without it. A relaunch "
+                      "with ckpt_path='last' resumes from %s", trainer.global_rank, type(exception).__name__,
+                      complete[0].describe() if complete else "scratch (no complete checkpoint)")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._poller is not None:
+            self._poller.stop()
+            self._poller = None
+        self._restore_handlers()
+
+    # ---- agreement, save, exit --------------------------------------------------------------
+
+    def _agree(self, trainer: pl.Trainer) -> bool:
+        if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
+            return self.reason is not None
+        start = time.perf_counter()
+        flag = torch.tensor([0 if self.reason is None else 1], dtype=torch.int32, device=trainer.strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        agreed = bool(flag.item())
+        self.agreement_seconds.append(time.perf_counter() - start)
+        return agreed
+
+    def _save_and_exit(self, trainer: pl.Trainer) -> None:
+        start, step = time.monotonic(), trainer.global_step
+        why = f"rank {trainer.global_rank}: {self.reason}" if self.reason else "signalled on another rank"
+        path = _join(self.dirpath, f"preempted-step={step:06d}.ckpt")
+        watchdog = _Deadline(self.grace_period_s, self.exit_code, path)
+        strategy = trainer.strategy
+        wait = getattr(strategy, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()  # the async save in flight gets its manifest first
+        was_async = getattr(strategy, "async_save", None)
+        if was_async:
+            strategy.async_save = False  # this one must be complete before we exit
+        try:
+            trainer.save_checkpoint(path)
+            if wait is not None:
+                wait()
+        finally:
+            if was_async:
+                strategy.async_save = was_async
+        if trainer.is_global_zero and not is_url(path):
+            _point_last_at(Path(path))
+        strategy.barrier("preemption-checkpoint")
+        watchdog.cancel()
+        seconds = time.monotonic() - start
+        if trainer.is_global_zero:
+            log.warning("Preempted (%s): saved step %d to %s in %.1f s (complete, manifest written); "
+                        "exiting with code %d. Resume with trainer.fit(..., ckpt_path='last').",
+                        why, step, path, seconds, self.exit_code)
+            if self.requeue:
+                _slurm_requeue()
+        elif self.reason is not None:
+            log.warning("rank %d: %s; saved with the other ranks, exiting with code %d",
+                        trainer.global_rank, self.reason, self.exit_code)
+        _stop_child_observer()
+        raise PreemptionExit(self.exit_code, path, step)
+
+    # ---- paths ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _default_dirpath(trainer: pl.Trainer) -> str:
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+                return str(cb.dirpath)
+        return os.path.join(str(trainer.default_root_dir), "checkpoints")
+
+    @staticmethod
+    def resume_path(dirpath: str | os.PathLike) -> str | None:
+        """The newest complete, verified checkpoint in ``dirpath``, or None: ``trainer.fit(...,
+        ckpt_path=PreemptionCheckpoint.resume_path(dirpath))`` resumes when there is something to
+        resume and starts from scratch on a first launch."""
+        from lightning_disttrain.checkpoint.discovery import find_latest_checkpoint
+
+        found = find_latest_checkpoint(dirpath)
+        return None if found is None else str(found)
+
+
+def _join(directory: str, name: str) -> str:
+    return f"{directory.rstrip('/')}/{name}" if is_url(directory) else os.path.join(directory, name)
+
+
+def _point_last_at(path: Path) -> None:
+    """``last.ckpt`` -> ``path`` (relative link), unless ``last.ckpt`` is a real checkpoint (save_last=True)."""
+    link = path.parent / "last.ckpt"
+    if link.exists() and not link.is_symlink():
+        return
+    tmp = path.parent / f".last.ckpt.tmp{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(path.name)
+    os.replace(tmp, link)  # atomic: ckpt_path="last" never sees a missing link
+
+
+def _all_gather_objects(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _slurm_requeue() -> None:
+    """``scontrol requeue JOB`` when running under SLURM (what Lightning's SLURM handler does)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect():
+        return
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9_]+", job):
+        log.warning("not requeueing: SLURM job id %r is not a job id", job)
+        return
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], check=False).returncode
+    except FileNotFoundError:
+        result = -1
+    if result == 0:
+        log.warning("Requeued SLURM job %s", job)
+    else:
+        log.warning("Requeueing SLURM job %s failed (scontrol exit status %s)", job, result)
+
+
+def _stop_child_observer() -> None:
+    # Under Lightning's subprocess launcher, rank 0 watches its child ranks and SIGKILLs itself and
+    # them when a child exits non-zero. Here every rank exits with `exit_code` on purpose, after the
+    # checkpoint is complete: stop watching, or rank 0 could be killed before it exits itself.
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
+            thread._child_processes = []
+
+
+class _Deadline:
+    """Ends the process with ``exit_code`` unless cancelled within ``seconds``."""
+
+    def __init__(self, seconds: float, exit_code: int, path: str) -> None:
+        self._timer = threading.Timer(seconds, self._expire, args=(seconds, exit_code, path))
+        self._timer.daemon = True
+        self._timer.start()
+
+    @staticmethod
+    def _expire(seconds: float, exit_code: int, path: str) -> None:
+        log.error("preemption checkpoint %s not complete %.0f s after the agreement (grace_period_s); exiting "
+                  "without it: it has no manifest, so resume takes the previous complete checkpoint", path, seconds)
+        logging.shutdown()
+        os._exit(exit_code)
+
+    def cancel(self) -> None:
+        self._timer.cancel()

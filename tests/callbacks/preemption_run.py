@@ -1,0 +1,123 @@
+"""Preemption scenarios on 2 gloo ranks, run by tests/callbacks/test_preemption.py.
+
+    python preemption_run.py first  DATA OUT   # a run whose rank 1 alone is SIGTERMed during step 5
+    python preemption_run.py second DATA OUT   # that run resumed with ckpt_path="last"; then the same run
+                                               # uninterrupted from scratch (the reference losses), whose
+                                               # rank 1 is SIGKILLed while writing its step-8 checkpoint
+
+The project's own pieces throughout (NDParallelStrategy with async DCP saves, GPTModule with
+dropout, TokenDataModule; tests/checkpoint/scripts/harness.py). Each rank writes
+``OUT/<run>.rank<R>.json``. The signals are real: ``os.kill`` of this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore")
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent / "checkpoint" / "scripts")]
+from harness import Recorder, build_data, build_module, build_strategy  # noqa: E402
+
+from lightning_disttrain.callbacks import PreemptionCheckpoint, PreemptionExit  # noqa: E402
+
+STEPS = 8
+SIGNAL_AT = 5  # rank 1 is signalled during this (1-based) step
+EXIT_CODE = 42
+
+
+class SignalSelf(L.Callback):
+    """Sends ``signum`` to this process on ``rank`` when step ``at`` starts (mid-step: before its forward)."""
+
+    def __init__(self, rank: int, at: int, signum: int) -> None:
+        self.rank, self.at, self.signum = rank, at, signum
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.at - 1:
+            os.kill(os.getpid(), self.signum)
+
+
+def _fit(out: Path, run: str, data: str, ckpt_dir: Path, callbacks: list, ckpt_path=None) -> dict:
+    L.seed_everything(1234, workers=True)
+    rec = Recorder()
+    mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=2, save_top_k=-1)
+    trainer = L.Trainer(strategy=build_strategy(async_save=True), devices=2, accelerator="cpu", max_steps=STEPS,
+                        callbacks=[rec, *callbacks, mc], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, default_root_dir=str(out))
+    global _RECORDER
+    _RECORDER, result = rec, {}
+    try:
+        trainer.fit(build_module(total_steps=STEPS), datamodule=build_data(data), ckpt_path=ckpt_path)
+    except PreemptionExit as exc:
+        result.update(exit_code=exc.code, path=exc.path, step=exc.step)
+        raise
+    except BaseException as exc:
+        result.update(error=f"{type(exc).__name__}: {exc}"[:500])
+        raise
+    finally:
+        _write(out, run, trainer.global_rank, result | _recorded(rec, callbacks))
+    return result
+
+
+_RECORDER: Recorder | None = None
+
+
+def _recorded(rec: Recorder, callbacks: list) -> dict:
+    pre = next((c for c in callbacks if isinstance(c, PreemptionCheckpoint)), None)
+    return {"losses": rec.losses, "start_step": rec.start_step,
+            "agreement_seconds": pre.agreement_seconds if pre else [], "reason": pre.reason if pre else None}
+
+
+def _write(out: Path, run: str, rank: int, data: dict) -> None:
+    path = out / f"{run}.rank{rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(data))
+    path.with_suffix(".tmp").replace(path)
+
+
+def first(data: str, out: Path) -> None:
+    # SIGTERM on rank 1 only, during step 5; every rank must save step 5 and exit with EXIT_CODE.
+    _fit(out, "preempted", data, out / "pre_ckpt",
+         [PreemptionCheckpoint(exit_code=EXIT_CODE), SignalSelf(rank=1, at=SIGNAL_AT, signum=signal.SIGTERM)])
+
+
+def second(data: str, out: Path) -> None:
+    # No ModelCheckpoint(save_last=...): "last" is the link the preemption save left.
+    _fit(out, "resumed", data, out / "pre_ckpt", [PreemptionCheckpoint()], ckpt_path="last")
+    _kill_rank1_during_write_of(out, "step=008")
+    _fit(out, "reference", data, out / "kill_ckpt", [PreemptionCheckpoint()])
+
+
+def _kill_rank1_during_write_of(out: Path, name: str) -> None:
+    # SIGKILL from inside DCP's file write of that checkpoint (an async save: a background thread
+    # writes it), so the kill lands mid-save by construction. Rank 1 first records its losses.
+    from torch.distributed.checkpoint import filesystem
+
+    original = filesystem._FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if name in str(self.path) and int(os.environ.get("LOCAL_RANK", "0")) == 1:
+            _write(out, "reference", 1, {"losses": list(_RECORDER.losses), "killed_at": time.time()})
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, plan, planner)
+
+    filesystem._FileSystemWriter.write_data = write_data
+
+
+if __name__ == "__main__":
+    command, data_dir, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    {"first": first, "second": second}[command](data_dir, out_dir)
