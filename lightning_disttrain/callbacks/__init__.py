@@ -6,6 +6,7 @@ strategy, which applies it at its place in the fixed order) and under any other 
 """
 
 from lightning_disttrain.callbacks.activation_checkpointing import SelectiveActivationCheckpointing
+from lightning_disttrain.callbacks.checkpoint_cadence import CheckpointCadence
 from lightning_disttrain.callbacks.checkpoint_eval import CheckpointEval
 from lightning_disttrain.callbacks.float8 import Float8Training
 from lightning_disttrain.callbacks.mfu import MFUMonitor
@@ -17,5 +18,5 @@ from lightning_disttrain.callbacks.sample import SampleGeneration
 # Last, after mfu imported the submodule: the package name `peak_flops` is the function.
 from lightning_disttrain.callbacks.peak_flops import peak_flops  # noqa: E402
 
-__all__ = ["AWSSpotNotice", "CheckpointEval", "Float8Training", "GCPPreemptionNotice", "MFUMonitor",
+__all__ = ["AWSSpotNotice", "CheckpointCadence", "CheckpointEval", "Float8Training", "GCPPreemptionNotice", "MFUMonitor",
            "PreemptionCheckpoint", "PreemptionExit", "ProfilerCallback", "SampleGeneration", "SelectiveActivationCheckpointing", "peak_flops"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -134,6 +135,17 @@ class _InFlight:
 
 
 @dataclass
+class SaveTiming:
+    """How long one save took on this rank (``CheckpointWriter.timings``)."""
+
+    path: str
+    blocking_s: float
+    """From ``save`` being called to its return: the time training stood still."""
+    total_s: float | None = None
+    """From ``save`` being called to the manifest written (async: in the background); None until then."""
+
+
+@dataclass
 class CheckpointWriter:
     """Saves checkpoint directories; one per strategy (or per training script).
 
@@ -151,6 +163,9 @@ class CheckpointWriter:
     _in_flight: _InFlight | None = field(default=None, repr=False)
     _deferred_removals: list[Path] = field(default_factory=list, repr=False)
     _stager: Any = field(default=None, repr=False)
+    timings: list[SaveTiming] = field(default_factory=list, repr=False)
+    """Every save's blocking and total time on this rank, oldest first (the cost in the
+    Young/Daly checkpoint interval, ``checkpoint.cadence``)."""
 
     def comm(self) -> Comm:
         if not self._group_ready:
@@ -168,6 +183,7 @@ class CheckpointWriter:
              extra: dict[str, Any] | None = None) -> None:
         """Write ``state`` (DCP: tensors and DTensors, sharded) and ``meta`` (rank 0, torch.save)."""
         rng_state = rng.capture_rng_state()  # first: nothing below may shift the streams first
+        start = time.perf_counter()
         # One save in flight at most, and it must be finished before this thread issues any
         # collective: its background write and finalisation run collectives on the same group,
         # and two threads calling collectives on one group may pair them differently per rank.
@@ -182,18 +198,23 @@ class CheckpointWriter:
         rng.save_rank_rng(path, comm.rank, rng_state)
         info = dict(world_size=comm.world_size, global_step=global_step, epoch=epoch,
                     extra={**(extra or {}), "async_save": self.async_save})
+        timing = SaveTiming(str(path), 0.0)
         if not self.async_save:
             with _write_errors(path):
                 dcp.save(state, checkpoint_id=path, process_group=self.group)
             self._finalize(path, None, info)
+            timing.blocking_s = timing.total_s = time.perf_counter() - start
+            self.timings.append(timing)
             return
         upload = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
                                 async_stager=self._get_stager())
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-finalize")
-        future = self._executor.submit(self._finalize, path, upload, info)
+        future = self._executor.submit(self._finalize, path, upload, info, timing, start)
         future.add_done_callback(_log_failure)  # say so now; `wait` re-raises it later
         self._in_flight = _InFlight(path, future)
+        timing.blocking_s = time.perf_counter() - start
+        self.timings.append(timing)
 
     def _get_stager(self):
         # On CPU, async_save's own stager (a plain copy, closed after each save) is right. With
@@ -206,7 +227,8 @@ class CheckpointWriter:
                                                         use_async_staging=False, use_non_blocking_copy=True))
         return self._stager
 
-    def _finalize(self, path: Path, upload: Future | None, info: dict[str, Any]) -> Manifest:
+    def _finalize(self, path: Path, upload: Future | None, info: dict[str, Any],
+                  timing: SaveTiming | None = None, start: float = 0.0) -> Manifest:
         if upload is not None:
             # DCP propagates a failed write to every rank through its own collectives, so all
             # ranks raise here together and none is left waiting below.
@@ -230,6 +252,8 @@ class CheckpointWriter:
         if errors:
             raise RuntimeError(f"checkpoint {str(path)!r} was written but not completed (no "
                                f"{MANIFEST_NAME}, so resume will skip it): {'; '.join(errors)}")
+        if timing is not None:
+            timing.total_s = time.perf_counter() - start
         return manifest
 
     def wait(self) -> Manifest | None:
