@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_disttrain.checkpoint import rng
+from lightning_disttrain.checkpoint import rng, storage
 from lightning_disttrain.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointVerificationError,
@@ -100,6 +100,9 @@ def new_checkpoint_group() -> dist.ProcessGroup | None:
 def remove_checkpoint_path(path: str | os.PathLike) -> None:
     """Delete a checkpoint: a link is unlinked (never its target); a directory loses its manifest
     first, so an interrupted delete leaves a directory that reads as incomplete, not as valid."""
+    if storage.is_url(path):
+        storage.url_remove(str(path), first=MANIFEST_NAME)
+        return
     path = Path(path)
     if path.is_symlink() or path.is_file():
         path.unlink()
@@ -111,8 +114,16 @@ def remove_checkpoint_path(path: str | os.PathLike) -> None:
 _OURS = (MANIFEST_NAME, ".metadata", META_NAME, rng.RNG_DIR)
 
 
-def _prepare_directory(path: Path) -> str | None:
+def _prepare_directory(path: Path | str) -> str | None:
     """Make ``path`` an empty directory; an error message instead when that would destroy data."""
+    if storage.is_url(path):  # a key prefix: nothing to create, only old objects to drop
+        entries = storage.url_files(path)
+        if entries and not any(e.split("/")[0] in _OURS or e.endswith(".distcp") for e in entries):
+            return (f"{path!r} exists and is not a checkpoint directory (it holds {entries[:3]}); "
+                    f"save the checkpoint to a new path, e.g. {storage.url_join(path, 'step=N.ckpt')!r}")
+        if entries:
+            remove_checkpoint_path(path)
+        return None
     # Overwriting (Lightning's save_last=True reuses "last.ckpt"): never write through a link
     # into the checkpoint it points at, and drop stale shards of an earlier save, which may
     # come from a different world size. A directory that is not a checkpoint is never emptied.
@@ -130,7 +141,7 @@ def _prepare_directory(path: Path) -> str | None:
 
 @dataclass
 class _InFlight:
-    path: Path
+    path: Path | str
     future: Future
 
 
@@ -189,25 +200,29 @@ class CheckpointWriter:
         # and two threads calling collectives on one group may pair them differently per rank.
         self.wait()
         comm = self.comm()
-        path = Path(comm.broadcast(str(path)))  # rank 0's name everywhere (names can hold times)
+        path = storage.location(comm.broadcast(str(path)))  # rank 0's name everywhere (names can hold times)
         refusal = _prepare_directory(path) if comm.rank == 0 else None
         if refusal := comm.broadcast(refusal):  # also the barrier: nobody writes before the directory is ready
             raise ValueError(refusal)
         if comm.rank == 0 and meta is not None:
-            torch.save(meta, path / META_NAME)
+            if storage.is_url(path):
+                with storage.url_open(storage.url_join(path, META_NAME), "wb") as f:
+                    torch.save(meta, f)
+            else:
+                torch.save(meta, path / META_NAME)
         rng.save_rank_rng(path, comm.rank, rng_state)
         info = dict(world_size=comm.world_size, global_step=global_step, epoch=epoch,
                     extra={**(extra or {}), "async_save": self.async_save})
         timing = SaveTiming(str(path), 0.0)
         if not self.async_save:
             with _write_errors(path):
-                dcp.save(state, checkpoint_id=path, process_group=self.group)
+                dcp.save(state, checkpoint_id=path, process_group=self.group, storage_writer=_writer_for(path))
             self._finalize(path, None, info)
             timing.blocking_s = timing.total_s = time.perf_counter() - start
             self.timings.append(timing)
             return
         upload = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
-                                async_stager=self._get_stager())
+                                async_stager=self._get_stager(), storage_writer=_writer_for(path))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-finalize")
         future = self._executor.submit(self._finalize, path, upload, info, timing, start)
@@ -277,9 +292,9 @@ class CheckpointWriter:
         """Delete a checkpoint (rank 0 does the deleting). While a save is in flight, deletion waits
         until that save is complete, so the number of complete checkpoints never drops below the
         number that retention keeps (ModelCheckpoint deletes the old one right after starting the new)."""
-        path = Path(path)
+        path = storage.location(path)
         if self._in_flight is not None:
-            if os.path.abspath(path) == os.path.abspath(self._in_flight.path):
+            if _same(path, self._in_flight.path):
                 self.wait()
             else:
                 self._deferred_removals.append(path)
@@ -298,6 +313,29 @@ class CheckpointWriter:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def _same(a: Path | str, b: Path | str) -> bool:
+    if storage.is_url(a) or storage.is_url(b):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _writer_for(path: Path | str):
+    """DCP's fsspec writer for a URL; None (DCP's local FileSystemWriter) for a path."""
+    if not storage.is_url(path):
+        return None
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(str(path))
+
+
+def _reader_for(path: Path | str):
+    if storage.is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(path))
+    return FileSystemReader(path)
 
 
 @contextmanager
@@ -323,13 +361,13 @@ def _log_failure(future: Future) -> None:
 
 def verify_distributed(path: str | os.PathLike, comm: Comm) -> Manifest:
     """Verify a checkpoint with the hashing split across ranks; every rank raises the same error."""
-    path = Path(path)
+    path = storage.location(path)
     try:
         manifest, failure = (read_manifest(path), None) if comm.rank == 0 else (None, None)
     except ValueError as err:  # CheckpointVerificationError: re-raised identically on every rank
         manifest, failure = None, (type(err), str(err.path), err.reason)
     except OSError as err:  # unreadable: every rank must learn it, or they wait below for rank 0
-        manifest, failure = None, (CheckpointVerificationError, str(path / MANIFEST_NAME),
+        manifest, failure = None, (CheckpointVerificationError, f"{str(path).rstrip('/')}/{MANIFEST_NAME}",
                                    f"could not be read ({type(err).__name__}: {err})")
     manifest, failure = comm.broadcast((manifest, failure))
     if failure is not None:
@@ -346,7 +384,7 @@ def verify_distributed(path: str | os.PathLike, comm: Comm) -> Manifest:
 def saved_keys(path: str | os.PathLike, full: bool = False) -> set[str]:
     """Top-level keys DCP holds in ``path`` ("state_dict", "optimizer_0", ...); ``full``: every
     flattened key ("optimizer_0.state.model.wte.weight.exp_avg", ...)."""
-    metadata = FileSystemReader(path).read_metadata()
+    metadata = _reader_for(path).read_metadata()
     return set(metadata.state_dict_metadata) if full else {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
@@ -362,6 +400,14 @@ def optimizer_state_options(flatten: bool = True):
 
 
 def load_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
+    if storage.is_url(path):
+        url = storage.url_join(str(path), META_NAME)
+        if not storage.url_exists(url):
+            return {}
+        with storage.url_open(url) as f:
+            import io
+
+            return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
     meta_path = Path(path) / META_NAME
     if not meta_path.is_file():
         return {}
@@ -401,7 +447,8 @@ def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: l
     # strict=False (LightningModule.strict_loading) lets keys missing from the checkpoint keep
     # their current values instead of failing the load.
     planner = DefaultLoadPlanner(allow_partial_load=not strict)
-    dcp.load(model_state, checkpoint_id=path, process_group=comm.group, planner=planner)
+    dcp.load(model_state, checkpoint_id=path, process_group=comm.group, planner=planner,
+             storage_reader=_reader_for(path) if storage.is_url(path) else None)
     set_model_state_dict(module, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
 
     saved_optimizers = sorted(k for k in keys if k.startswith("optimizer_"))
@@ -418,7 +465,8 @@ def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: l
         key = optimizer_key(index)
         options = optimizer_state_options(flatten=f"{key}.param_groups.0.params" not in every_key)
         optim_state = {key: get_optimizer_state_dict(module, parts, options=options)}
-        dcp.load(optim_state, checkpoint_id=path, process_group=comm.group)
+        dcp.load(optim_state, checkpoint_id=path, process_group=comm.group,
+                 storage_reader=_reader_for(path) if storage.is_url(path) else None)
         set_optimizer_state_dict(module, parts, optim_state_dict=optim_state[key], options=options)
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from lightning_disttrain.checkpoint import storage
 from lightning_disttrain.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointVerificationError,
@@ -45,9 +46,12 @@ EVALS_NAME = "evals.json"
 
 def gate_failure(ckpt_dir: str | os.PathLike) -> str | None:
     """Why the eval gate failed this checkpoint (from its ``evals.json``), or None if it did not."""
-    path = Path(ckpt_dir) / EVALS_NAME
     try:
-        gate = json.loads(path.read_text()).get("gate") or {}
+        if storage.is_url(ckpt_dir):
+            text = storage.url_read(storage.url_join(str(ckpt_dir), EVALS_NAME)).decode()
+        else:
+            text = (Path(ckpt_dir) / EVALS_NAME).read_text()
+        gate = json.loads(text).get("gate") or {}
     except (OSError, ValueError, AttributeError):
         return None
     if gate.get("failed_checkpoint"):
@@ -85,7 +89,7 @@ LAST_NAME = re.compile(r"^last(-v\d+)?\.ckpt$")
 def describe_checkpoint(path: str | os.PathLike, manifest: Manifest | None = None) -> str:
     """``'REAL_DIR' (global step N, completed ISO_TIME)``: which checkpoint a path really is, for
     messages that must not leave a user guessing what was resumed or exported."""
-    real = Path(path).resolve()
+    real = storage.location(path) if storage.is_url(path) else Path(path).resolve()
     if manifest is None:
         try:
             manifest = read_manifest(real)
@@ -116,6 +120,8 @@ def _newest_mtime(path: Path) -> float:
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Candidate]:
     """Checkpoint directories directly inside ``directory``, newest first, links folded into targets."""
+    if storage.is_url(directory):
+        return _list_url_checkpoints(str(directory))
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -139,6 +145,21 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Candidate]:
         else:
             found[resolved] = Candidate(entry, resolved, False, _newest_mtime(resolved))
     return sorted(found.values(), key=lambda c: (c.timestamp, c.global_step or -1), reverse=True)
+
+
+def _list_url_checkpoints(url: str) -> list[Candidate]:
+    # Object stores have no links and no directories: a checkpoint is a key prefix holding our files.
+    found = []
+    for sub in storage.url_subdirs(url):
+        files = storage.url_files(sub)
+        if not (sub.endswith(".ckpt") or any(f.split("/")[0] in _MARKERS for f in files)):
+            continue
+        try:
+            manifest = read_manifest(sub)
+            found.append(Candidate(sub, sub, True, manifest.created_unix, manifest.global_step, gate_failure(sub)))
+        except CheckpointVerificationError:
+            found.append(Candidate(sub, sub, False, storage.url_newest_mtime(sub)))
+    return sorted(found, key=lambda c: (c.timestamp, c.global_step or -1), reverse=True)
 
 
 def find_latest_checkpoint(directory: str | os.PathLike, *,
@@ -193,6 +214,8 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int,
     for cand in doomed:
         remove(cand.resolved)
         removed.append(cand.resolved)
+    if storage.is_url(directory):
+        return removed
     # A link left pointing at a deleted directory would make ckpt_path="last" find nothing.
     for entry in Path(directory).iterdir():
         if entry.is_symlink() and not entry.exists():

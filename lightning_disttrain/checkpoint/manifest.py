@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_disttrain.checkpoint import storage
+
 MANIFEST_NAME = "manifest.json"
 """Name of the manifest inside a checkpoint directory; its presence marks the checkpoint complete."""
 FORMAT = "lightning-disttrain/dcp"
@@ -32,7 +34,7 @@ class CheckpointVerificationError(ValueError):
     """A checkpoint directory is incomplete or damaged; ``path`` is the offending file."""
 
     def __init__(self, path: str | os.PathLike, reason: str, fix: str | None = None) -> None:
-        self.path = Path(path)
+        self.path = storage.location(path)
         self.reason = reason
         fix = fix or ("re-save it, or resume from an earlier checkpoint "
                       "(lightning_disttrain.checkpoint.find_latest_checkpoint(dir) picks the newest "
@@ -84,7 +86,7 @@ class Manifest:
 
 def sha256_file(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with (storage.url_open(str(path)) if storage.is_url(path) else open(path, "rb")) as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -92,6 +94,8 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 def list_files(ckpt_dir: str | os.PathLike) -> list[str]:
     """Every regular file under ``ckpt_dir`` except the manifest (and its temp file), sorted."""
+    if storage.is_url(ckpt_dir):
+        return [rel for rel in storage.url_files(str(ckpt_dir)) if not rel.startswith(MANIFEST_NAME)]
     root = Path(ckpt_dir)
     out = []
     for dirpath, _, names in os.walk(root):
@@ -103,12 +107,19 @@ def list_files(ckpt_dir: str | os.PathLike) -> list[str]:
 
 
 def hash_files(ckpt_dir: str | os.PathLike, rel_paths: Iterable[str]) -> dict[str, FileEntry]:
+    if storage.is_url(ckpt_dir):
+        urls = {rel: storage.url_join(str(ckpt_dir), rel) for rel in rel_paths}
+        return {rel: FileEntry(sha256_file(url), storage.url_size(url)) for rel, url in urls.items()}
     root = Path(ckpt_dir)
     return {rel: FileEntry(sha256_file(root / rel), (root / rel).stat().st_size) for rel in rel_paths}
 
 
 def write_manifest(ckpt_dir: str | os.PathLike, manifest: Manifest) -> Path:
     """Write ``manifest.json`` atomically: a reader sees either no manifest or the whole of it."""
+    if storage.is_url(ckpt_dir):  # one PUT: an object store shows all of it or nothing
+        url = storage.url_join(str(ckpt_dir), MANIFEST_NAME)
+        storage.url_write(url, manifest.to_json().encode())
+        return url
     root = Path(ckpt_dir)
     final, tmp = root / MANIFEST_NAME, root / (MANIFEST_NAME + ".tmp")
     with open(tmp, "w") as f:
@@ -127,6 +138,8 @@ def write_manifest(ckpt_dir: str | os.PathLike, manifest: Manifest) -> Path:
 
 def read_manifest(ckpt_dir: str | os.PathLike) -> Manifest:
     """The manifest of ``ckpt_dir``; ``IncompleteCheckpointError`` if there is none."""
+    if storage.is_url(ckpt_dir):
+        return _read_url_manifest(str(ckpt_dir))
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise CheckpointVerificationError(
@@ -143,6 +156,22 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> Manifest:
         raise CheckpointVerificationError(path, f"is unreadable ({err})") from err
 
 
+def _read_url_manifest(url: str) -> Manifest:
+    path = storage.url_join(url, MANIFEST_NAME)
+    if not storage.url_exists(path):
+        if not storage.url_files(url):
+            raise CheckpointVerificationError(
+                url, "does not exist or is empty",
+                fix="pass the URL of a checkpoint directory written by a lightning-disttrain strategy")
+        raise IncompleteCheckpointError(
+            path, "is missing, so the checkpoint is incomplete (the save was interrupted or an "
+                  "async save had not finished)")
+    try:
+        return Manifest.from_json(storage.url_read(path).decode())
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointVerificationError(path, f"is unreadable ({err})") from err
+
+
 Problem = tuple[str, str]
 """(relative path, what is wrong with it)."""
 
@@ -152,6 +181,8 @@ def check_files(ckpt_dir: str | os.PathLike, manifest: Manifest, rel_paths: Iter
 
     Size first (cheap, and says "truncated" rather than "sha256 mismatch"), then the hash.
     """
+    if storage.is_url(ckpt_dir):
+        return _check_url_files(str(ckpt_dir), manifest, rel_paths)
     root = Path(ckpt_dir)
     problems = []
     for rel in rel_paths:
@@ -171,6 +202,23 @@ def check_files(ckpt_dir: str | os.PathLike, manifest: Manifest, rel_paths: Iter
     return problems
 
 
+def _check_url_files(url: str, manifest: Manifest, rel_paths: Iterable[str]) -> list[Problem]:
+    problems = []
+    for rel in rel_paths:
+        entry, path = manifest.files[rel], storage.url_join(url, rel)
+        try:
+            if not storage.url_exists(path):
+                problems.append((rel, f"is missing (listed in {MANIFEST_NAME})"))
+            elif (size := storage.url_size(path)) != entry.bytes:
+                kind = "truncated" if size < entry.bytes else "longer than recorded"
+                problems.append((rel, f"is {kind}: {size} bytes, {MANIFEST_NAME} says {entry.bytes}"))
+            elif sha256_file(path) != entry.sha256:
+                problems.append((rel, f"is corrupted: its sha256 differs from the one in {MANIFEST_NAME}"))
+        except OSError as err:
+            problems.append((rel, f"could not be read ({type(err).__name__}: {err})"))
+    return problems
+
+
 def unlisted_files(ckpt_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
     """Files present on disk but not in the manifest (e.g. shards of a different save mixed in)."""
     return [f for f in list_files(ckpt_dir) if f not in manifest.files]
@@ -183,7 +231,8 @@ def raise_for_problems(ckpt_dir: str | os.PathLike, problems: Iterable[Problem])
         return
     rel, reason = problems[0]
     more = f" (also bad: {', '.join(p[0] for p in problems[1:])})" if len(problems) > 1 else ""
-    raise CheckpointVerificationError(Path(ckpt_dir) / rel, reason + more)
+    bad = storage.url_join(str(ckpt_dir), rel) if storage.is_url(ckpt_dir) else Path(ckpt_dir) / rel
+    raise CheckpointVerificationError(bad, reason + more)
 
 
 def verify_checkpoint(ckpt_dir: str | os.PathLike) -> Manifest:

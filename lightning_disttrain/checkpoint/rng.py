@@ -89,6 +89,12 @@ def seed_all(seed: int) -> None:
 
 
 def save_rank_rng(ckpt_dir: str | os.PathLike, rank: int, state: dict[str, Any] | None = None) -> Path:
+    from lightning_disttrain.checkpoint import storage
+
+    if storage.is_url(ckpt_dir):
+        url = storage.url_join(str(ckpt_dir), RNG_DIR, f"rank_{rank:05d}.json")
+        storage.url_write(url, json.dumps(state if state is not None else capture_rng_state()).encode())
+        return url
     path = rng_file(ckpt_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(state if state is not None else capture_rng_state()))
@@ -96,6 +102,10 @@ def save_rank_rng(ckpt_dir: str | os.PathLike, rank: int, state: dict[str, Any] 
 
 
 def count_saved_ranks(ckpt_dir: str | os.PathLike) -> int:
+    from lightning_disttrain.checkpoint import storage
+
+    if storage.is_url(ckpt_dir):
+        return sum(1 for rel in storage.url_files(str(ckpt_dir)) if rel.startswith(f"{RNG_DIR}/rank_"))
     folder = Path(ckpt_dir) / RNG_DIR
     return len(list(folder.glob("rank_*.json"))) if folder.is_dir() else 0
 
@@ -105,6 +115,13 @@ def load_rank_rng(ckpt_dir: str | os.PathLike, rank: int, saved_ranks: int) -> t
     ``(None, seed)`` for a rank beyond the saved ones, ``(None, None)`` if nothing was saved."""
     if saved_ranks <= 0:
         return None, None
+    from lightning_disttrain.checkpoint import storage
+
+    if storage.is_url(ckpt_dir):
+        def read(r: int) -> dict[str, Any]:
+            return json.loads(storage.url_read(storage.url_join(str(ckpt_dir), RNG_DIR, f"rank_{r:05d}.json")))
+
+        return (read(rank), None) if rank < saved_ranks else (None, derive_seed(read(rank % saved_ranks), rank))
     if rank < saved_ranks:
         return json.loads(rng_file(ckpt_dir, rank).read_text()), None
     source = json.loads(rng_file(ckpt_dir, rank % saved_ranks).read_text())

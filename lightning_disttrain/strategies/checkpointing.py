@@ -39,7 +39,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_disttrain.checkpoint import rng
+from lightning_disttrain.checkpoint import rng, storage
 from lightning_disttrain.checkpoint.dcp_io import (
     MODEL_KEY,
     CheckpointWriter,
@@ -99,7 +99,7 @@ class DCPCheckpointMixin:
         writer.async_save = bool(getattr(self, "async_save", False))
         # No collective here: the save in flight may still be running its own on the checkpoint
         # group from a background thread. `writer.save` waits for it first, then agrees on the path.
-        path = Path(filepath)
+        path = storage.location(filepath)  # a Path, or an fsspec URL kept as it is
         state = {MODEL_KEY: checkpoint["state_dict"]}
         for index, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
             state[optimizer_key(index)] = optim_state
@@ -112,7 +112,7 @@ class DCPCheckpointMixin:
         writer = self._checkpoint_writer()
         writer.wait()  # never read a directory this process is still writing
         comm = writer.comm()
-        asked = Path(comm.broadcast(str(checkpoint_path)))
+        asked = storage.location(comm.broadcast(str(checkpoint_path)))
         path = self._resolve_checkpoint(asked, comm)
         meta = load_meta(path, self.checkpoint_weights_only if weights_only is None else weights_only)
         module = self.lightning_module
@@ -208,6 +208,10 @@ class DCPCheckpointMixin:
         def verify(p: Path) -> None:
             verify_distributed(p, comm)
 
+        if storage.is_url(path):  # an explicit URL (object stores have no "last" links)
+            if self.checkpoint_verify:
+                verify(path)
+            return path
         if self._is_last_alias(path):
             # Lightning chose "last.ckpt"; it may point at a save that never completed. Take the
             # newest checkpoint beside it that verifies (the same list on every rank).
