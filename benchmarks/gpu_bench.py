@@ -1,6 +1,8 @@
-"""One-GPU throughput check: MFU of gpt2-124m, and the float8 speedup on gpt2-774m.
+"""One-GPU throughput check: MFU of gpt2-124m, and the float8 speedup and loss gap on gpt2-774m.
 
-Sections (each timed on its own; a failing one is reported and the next still runs):
+Sections, in this order (each timed on its own; a failing one is reported and the next still runs;
+estimated seconds on one H200 in ``ESTIMATES``, mostly compile; with ``LDT_GPU_DEADLINE`` set (gpu.sh)
+a section that no longer fits is skipped and named under ``skipped``):
 
 1. ``mfu``: gpt2-124m, seq 1024, bf16 autocast, per-block ``torch.compile``, fused AdamW,
    synthetic tokens. Step time = wall time of ``--steps`` steps after ``--warmup`` steps, with
@@ -9,9 +11,12 @@ Sections (each timed on its own; a failing one is reported and the next still ru
 2. ``mfu_lightning``: the same model through ``Trainer`` + ``GPTModule`` + ``MFUMonitor``: what the
    callback reports, to compare with (1) (Lightning's loop, logging and the callback's per-step
    sync cost a little).
-3. ``fp8``: gpt2-774m, same shape and compile, bf16 vs Float8Training's swap (tensorwise); the
-   speedup is the ratio of tokens/s. MFU of both is given against the *bf16* peak so the two
-   compare; against the fp8 peak the float8 run's MFU would be about half.
+3. ``fp8``: gpt2-774m, same shape and compile, bf16, then Float8Training's swap with the
+   tensorwise and the rowwise recipe; speedup = ratio of tokens/s. All runs start from the same
+   weights (seed 0) and train on the same batch, so their per-step losses (``losses``: warm-up and
+   timed steps) compare step by step: ``fp8`` in the JSON holds the max / mean absolute gap per
+   recipe. MFU of every run is given against the *bf16* peak so the rows compare; against the fp8
+   peak the float8 runs' MFU would be about half.
 
 Prints a compact table; with ``$OUT`` set (or ``--out``) writes ``gpu_bench.json`` there after every
 section, so a timeout still leaves what was measured.
@@ -38,6 +43,15 @@ from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.parallel.compile import apply_compile
 from lightning_disttrain.parallel.float8 import Float8Options, convert_to_float8
 
+try:  # run as a script (benchmarks/ on sys.path) or as benchmarks.gpu_bench
+    from gpu_report import deadline_from_env
+except ImportError:
+    from benchmarks.gpu_report import deadline_from_env
+
+ESTIMATES = {"mfu": 60, "mfu_lightning": 40, "fp8": 50}
+"""Section -> estimated seconds on one H200 (fp8: per run; it runs bf16, then each recipe). Mostly
+compile: the timed steps take a few seconds. A section that no longer fits the budget is skipped."""
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -55,18 +69,21 @@ def bf16_peak(device: torch.device) -> tuple[float, str]:
 
 
 def train_loop(preset: str, *, device: torch.device, batch: int, seq: int, warmup: int, steps: int,
-               float8: bool, compile: bool, vocab: int | None, peak: float) -> dict[str, Any]:
-    """Build, optionally swap to float8 and compile, then time ``steps`` training steps."""
+               float8: str | None, compile: bool, vocab: int | None, peak: float) -> dict[str, Any]:
+    """Build, optionally swap to float8 (``float8``: the recipe, "tensorwise" or "rowwise") and
+    compile, then time ``steps`` training steps. Same seed, so the same initial weights and the
+    same batch for every run: the per-step losses of two runs compare step by step."""
     torch.manual_seed(0)
     overrides = {"block_size": seq} | ({"vocab_size": vocab} if vocab else {})
     cfg = GPTConfig.from_name(preset, **overrides)
     with torch.device(device):
         model = GPT(cfg)
-    n_fp8 = len(convert_to_float8(model, Float8Options(recipe="tensorwise"), device=device)) if float8 else 0
+    n_fp8 = len(convert_to_float8(model, Float8Options(recipe=float8), device=device)) if float8 else 0
     if compile:
         apply_compile(model.blocks, dynamic=False)  # stage order: dtype, then compile
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
-    x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    data_rng = torch.Generator(device).manual_seed(1)  # the data does not depend on what the swap drew
+    x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device, generator=data_rng)
     inputs, targets = x[:, :-1], x[:, 1:]
     use_autocast = device.type == "cuda"
 
@@ -81,17 +98,18 @@ def train_loop(preset: str, *, device: torch.device, batch: int, seq: int, warmu
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    losses = []  # detached device tensors: read after the timing, no sync per step
     t0 = time.perf_counter()
-    step()  # compiles
+    losses.append(step().detach())  # compiles
     _sync(device)
     compile_s = time.perf_counter() - t0
     for _ in range(max(warmup - 1, 0)):
-        step()
+        losses.append(step().detach())
     _sync(device)
     graphs = _compiled_graphs()
     t0 = time.perf_counter()
     for _ in range(steps):
-        loss = step()
+        losses.append(step().detach())
     _sync(device)
     step_s = (time.perf_counter() - t0) / steps
     recompiles = _compiled_graphs() - graphs  # should be 0: a recompile inside the timing is slow
@@ -100,11 +118,12 @@ def train_loop(preset: str, *, device: torch.device, batch: int, seq: int, warmu
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     precision = "bf16" if use_autocast else "fp32"
     if float8:
-        precision = f"fp8 tensorwise{'' if device.type == 'cuda' else ' (emul.)'}"
+        precision = f"fp8 {float8}{'' if device.type == 'cuda' else ' (emul.)'}"
     return {"model": preset, "precision": precision, "batch": batch, "seq": seq, "recompiles_timed": recompiles,
             "float8_linears": n_fp8, "step_ms": 1e3 * step_s, "tokens_per_s": tokens_per_s,
             "tflops": tflops, "mfu_bf16_peak": tflops * 1e12 / peak, "peak_mem_gib": mem,
-            "first_step_s": compile_s, "final_loss": float(loss.detach()), "compiled": compile}
+            "first_step_s": compile_s, "losses": [float(v) for v in losses], "final_loss": float(losses[-1]),
+            "compiled": compile}
 
 
 def _compiled_graphs() -> int:
@@ -156,6 +175,21 @@ def lightning_mfu(preset: str, *, device: torch.device, batch: int, seq: int, wa
             "peak_mem_gib": m.get("perf/peak_mem_gib", float("nan"))}
 
 
+def fp8_comparison(runs: dict[str | None, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
+    """Per float8 recipe against the bf16 run (key None): speedup and the per-step loss gap."""
+    base, out = runs.get(None), {}
+    for recipe, r in runs.items():
+        if recipe is None or r is None or base is None:
+            continue
+        gaps = [abs(f - b) for f, b in zip(r["losses"], base["losses"])]
+        out[recipe] = {"baseline": base["precision"], "speedup": r["tokens_per_s"] / base["tokens_per_s"],
+                       "same_batch": r["batch"] == base["batch"], "steps": len(gaps),
+                       "max_abs_loss_gap": max(gaps), "mean_abs_loss_gap": sum(gaps) / len(gaps),
+                       "max_rel_loss_gap": max(g / b for g, b in zip(gaps, base["losses"])),
+                       "final_loss_gap": r["losses"][-1] - base["losses"][-1]}
+    return out
+
+
 def _row(r: dict[str, Any]) -> str:
     return (f"{r['section']:<14} {r['model']:<10} {r['precision']:<23} {r['batch']:>3}x{r['seq']:<5} "
             f"{r['step_ms']:>9.1f} {r['tokens_per_s']:>12,.0f} {r['tflops']:>8.1f} {100 * r['mfu_bf16_peak']:>7.1f} "
@@ -167,8 +201,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, few steps: checks the code paths")
     p.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_bench.json (default $OUT)")
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--sections", nargs="+", default=["mfu", "mfu_lightning", "fp8"])
+    p.add_argument("--sections", nargs="+", default=list(ESTIMATES))
+    p.add_argument("--fp8-recipes", nargs="+", default=["tensorwise", "rowwise"], choices=["tensorwise", "rowwise"])
+    p.add_argument("--reserve", type=float, default=0.0,
+                   help="seconds of the LDT_GPU_DEADLINE budget to leave for what runs after this script")
     args = p.parse_args(argv)
+    deadline = deadline_from_env()
+    deadline = None if deadline is None else deadline - args.reserve
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.smoke:
@@ -187,11 +226,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": name,
                               "torch": torch.__version__, "peak_flops": peak, "peak_source": peak_source,
-                              "smoke": args.smoke, "results": [], "errors": {}}
+                              "smoke": args.smoke, "results": [], "errors": {}, "skipped": {}}
     print(f"# gpu_bench {report['date']}  device {name}  torch {torch.__version__}  "
           f"peak {peak / 1e12:.4g} TFLOP/s ({peak_source})  compile {compile}")
 
     def run(section: str, fn, **kwargs) -> dict[str, Any] | None:
+        left = None if deadline is None else deadline - time.time()
+        if left is not None and left < ESTIMATES[section]:  # skipped and said so, rather than killed mid-way
+            report["skipped"].setdefault(section, []).append(f"{left:.0f} s left, estimate {ESTIMATES[section]} s")
+            print(f"# {section}: SKIPPED (time budget: {left:.0f} s left, estimate {ESTIMATES[section]} s)")
+            return None
         t0 = time.perf_counter()
         torch._dynamo.reset()  # each section compiles its own graphs, static shapes
         try:
@@ -211,20 +255,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     common = dict(device=device, compile=compile, vocab=vocab, peak=peak)
     if "mfu" in args.sections:
-        run("mfu", with_oom_retry, loop=train_loop, preset=small, batch=batches["mfu"], float8=False, **shape, **common)
+        run("mfu", with_oom_retry, loop=train_loop, preset=small, batch=batches["mfu"], float8=None, **shape, **common)
     if "mfu_lightning" in args.sections:
         run("mfu_lightning", lightning_mfu, preset=small, batch=batches["mfu"], device=device, compile=compile,
             vocab=vocab, **shape)
-    fp8 = {}
     if "fp8" in args.sections:
         fp8_shape = dict(shape, warmup=min(shape["warmup"], 8), steps=min(shape["steps"], 20))
-        for float8 in (False, True):
-            fp8[float8] = run("fp8", with_oom_retry, loop=train_loop, preset=large, batch=batches["fp8"],
-                              float8=float8, **fp8_shape, **common)
-    if fp8.get(False) and fp8.get(True):
-        if fp8[False]["batch"] != fp8[True]["batch"]:
-            report["errors"]["fp8_speedup"] = "bf16 and fp8 ran different batch sizes (OOM retry)"
-        report["fp8_speedup"] = fp8[True]["tokens_per_s"] / fp8[False]["tokens_per_s"]
+        fp8 = {recipe: run("fp8", with_oom_retry, loop=train_loop, preset=large, batch=batches["fp8"],
+                           float8=recipe, **fp8_shape, **common) for recipe in [None, *args.fp8_recipes]}
+        report["fp8"] = fp8_comparison(fp8)
 
     header = (f"{'section':<14} {'model':<10} {'precision':<23} {'shape':>9} {'step ms':>9} {'tokens/s':>12} "
               f"{'TFLOP/s':>8} {'MFU %':>7} {'mem GiB':>8}")
@@ -232,8 +271,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("-" * len(header))
     for r in report["results"]:
         print(_row(r))
-    if "fp8_speedup" in report:
-        print(f"# fp8 speedup ({large}, tokens/s fp8 / {fp8[False]['precision']}): {report['fp8_speedup']:.3f}x")
+    for recipe, c in report.get("fp8", {}).items():
+        print(f"# fp8 {recipe} vs {c['baseline']} ({large}): speedup {c['speedup']:.3f}x (tokens/s); loss gap over "
+              f"{c['steps']} steps: max {c['max_abs_loss_gap']:.4f}, mean {c['mean_abs_loss_gap']:.4f}, "
+              f"max relative {100 * c['max_rel_loss_gap']:.2f}%")
     print(f"# MFU % against the {peak_source} peak for every row (fp8 rows too, so rows compare); "
           f"first-step (compile) s: " + ", ".join(f"{r['section']}/{r['precision']}: {r.get('first_step_s', 0):.0f}"
                                                  for r in report["results"] if "first_step_s" in r))
@@ -243,4 +284,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(1 if main()["errors"] else 0)  # the sections' errors are in the report and printed
