@@ -28,6 +28,11 @@ def main() -> None:
     out_dir, devices, jobs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     os.environ["LDT_LAUNCH_OUT"] = str(Path(out_dir).resolve())  # a directory every rank of the launch shares
     for job in jobs:
+        # Each run starts as in a launch of its own: a seed_everything() of an earlier run leaves
+        # PL_GLOBAL_SEED set, and the strategies' setup re-seeds from it (reset_seed), which changed
+        # the weights a later run built in configure_model (runs that seed call seed_everything
+        # themselves, on every rank).
+        os.environ.pop("PL_GLOBAL_SEED", None)
         worker, run = job.split(":")
         result = importlib.import_module(worker).fit_run(run, devices)
         write_rank_json(out_dir, f"{worker}.{run}", dist.get_rank() if dist.is_initialized() else 0, result)

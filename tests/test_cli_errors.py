@@ -73,9 +73,9 @@ def test_unknown_tokenizer_is_one_line(tmp_path, capsys):
 
 
 def test_unsupported_strategy_degree_names_the_key(tmp_path, capsys):
-    strategy = {"class_path": "lightning_disttrain.strategies.NDParallelStrategy", "init_args": {"ep": 2}}
+    strategy = {"class_path": "lightning_disttrain.strategies.NDParallelStrategy", "init_args": {"cp": 2}}
     line = _config_error(tmp_path, capsys, strategy=strategy)
-    assert line.startswith("error: trainer.strategy: NDParallelStrategy(ep=2) is not supported yet: ")
+    assert line.startswith("error: trainer.strategy: NDParallelStrategy(cp=2) is not supported yet: ")
 
 
 def test_callback_error_names_its_list_position(tmp_path, capsys):

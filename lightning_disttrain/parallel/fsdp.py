@@ -153,9 +153,10 @@ def apply_fsdp(
                 fully_shard(experts, reshard_after_forward=reshard, **dict(common, mesh=expert_mesh))
                 if expert_grad_divide_factor is not None:
                     experts.set_gradient_divide_factor(expert_grad_divide_factor)
-                    if dist.get_backend(expert_mesh.get_group()) != "nccl":
+                    if expert_mesh.size() > 1 and dist.get_backend(expert_mesh.get_group()) != "nccl":
                         # A divisor other than the mesh size is NCCL's PREMUL_SUM, which gloo lacks:
-                        # sum, then divide (one more kernel over the shard).
+                        # sum, then divide (one more kernel over the shard). Not on a 1-rank mesh:
+                        # there FSDP (torch 2.13) divides in its copy and would divide again after.
                         experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=reshard, **common)
     for group in plan.fsdp_groups:
