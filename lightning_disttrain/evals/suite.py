@@ -150,10 +150,6 @@ class EvalSuite:
         self.prepare(tokenizer, datamodule=getattr(trainer, "datamodule", None) if trainer else None,
                      max_length=max_length)
         strategy = getattr(trainer, "strategy", None)
-        if getattr(strategy, "pipeline_enabled", False):
-            raise ValueError("evaluating under pipeline parallel is not supported yet; evaluate the checkpoints with "
-                             "`lightning-disttrain eval CKPT --tasks ...` on a pp=1 layout (CheckpointEval(mode="
-                             "'subprocess') does that while training continues)")
         with eval_mode(pl_module, trainer) as forward:
             return self.run(forward, data_parallel(strategy), vocab=tokenizer.n_vocab, device=pl_module.device,
                             max_length=max_length, multiple=getattr(strategy, "sequence_multiple", 1) or 1,
@@ -201,8 +197,13 @@ def eval_mode(pl_module, trainer=None):
     precision = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
     context = precision.forward_context if precision is not None else nullcontext
 
+    strategy = getattr(trainer, "strategy", None)
+    pipelined = getattr(strategy, "pipeline_enabled", False)
+
     def forward(idx: torch.Tensor) -> torch.Tensor:
         with context():
+            if pipelined:  # the stages' schedule, forward only; the logits reach every rank of the pipeline
+                return strategy.pipeline_forward(idx)
             return _logits(pl_module(idx))
 
     pl_module.eval()

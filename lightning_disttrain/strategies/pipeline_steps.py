@@ -225,6 +225,19 @@ class PipelineStepMixin:
             parts = self._pipeline_eval(idx, dummy, at_position)
         return self._from_last_stage(torch.cat(parts)[:B] if parts else None)
 
+    def pipeline_forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """The last stage's whole output for ``idx`` (B, T), e.g. logits (B, T, V), whole (a DTensor
+        gathered), on every rank of the pipeline: a forward-only schedule (evaluation). Collective
+        over the pipeline group: every rank calls it with the same ``idx``."""
+        B = idx.size(0)
+
+        def whole(output, target):
+            return output.full_tensor() if hasattr(output, "full_tensor") else output
+
+        with torch.no_grad():
+            parts = self._pipeline_eval(idx, torch.zeros_like(idx), whole)
+        return self._from_last_stage(torch.cat(parts)[:B] if parts else None)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:

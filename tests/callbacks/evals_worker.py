@@ -1,8 +1,9 @@
 """CheckpointEval runs on 1 and 2 ranks: ``fit_run(RUN, DEVICES)`` (2 ranks: in the suite's shared
 launch, ``tests/multi_worker.py``; 1 rank: in the test process).
 
-- ``fsdp2`` / ``ddp`` / ``single``: lr 0, so every layout evaluates the same weights; checkpoints
-  every 2 steps (fsdp2: async saves), held-out loss and three task formats.
+- ``fsdp2`` / ``ddp`` / ``tp`` (tp=2, sequence and loss parallel) / ``pp`` (pp=2, 1F1B) / ``single``:
+  lr 0, so every layout evaluates the same weights; checkpoints every 2 steps (fsdp2: async
+  saves), held-out loss and three task formats.
 - ``gate``: fsdp2, trained normally; the weights are zeroed at step 8, just before that save.
   Rules: held-out loss at most 5% above its best -> fail_checkpoint, and -> stop.
 - ``gate_resume``: resumes ``gate``'s run to step 8 with ``ckpt_path="last"`` (discovery must skip the failed
@@ -27,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_disttrain import GPTModule, TokenDataModule
 from lightning_disttrain.callbacks import CheckpointEval
 from lightning_disttrain.checkpoint import find_latest_checkpoint, verify_checkpoint
-from lightning_disttrain.strategies import FSDP2Strategy
+from lightning_disttrain.strategies import FSDP2Strategy, NDParallelStrategy
 
 REPO = Path(__file__).resolve().parents[2]
 EVALS = REPO.parent / "shared" / "evals"
@@ -71,7 +72,9 @@ def _data() -> TokenDataModule:
 
 
 def _module(lr: float) -> GPTModule:
-    return GPTModule("tiny", model_overrides={"n_layer": 2, "n_embd": 64, "n_head": 2}, lr=lr, warmup_steps=0)
+    # untied: the pp=2 run's first and last stage cannot share the embedding
+    return GPTModule("tiny", model_overrides={"n_layer": 2, "n_embd": 64, "n_head": 2, "tie_embeddings": False},
+                     lr=lr, warmup_steps=0)
 
 
 def _trainer(devices: int, strategy, dirpath: Path, steps: int, callbacks: list) -> L.Trainer:
@@ -96,7 +99,8 @@ def _evals_files(dirpath: Path) -> dict:
 def equal_weights_run(run: str, devices: int) -> dict:
     L.seed_everything(0)
     dirpath = out_dir(run)
-    strategy = {"fsdp2": FSDP2Strategy(async_save=True), "ddp": "ddp", "single": "auto"}[run]
+    strategy = {"fsdp2": FSDP2Strategy(async_save=True), "ddp": "ddp", "single": "auto",
+                "tp": NDParallelStrategy(tp=2), "pp": NDParallelStrategy(pp=2, pp_microbatches=2)}[run]
     cb = CheckpointEval(tasks=TASKS, data_dir=str(EVALS), limit=6, heldout_windows=4, batch_size=4, print_table=False)
     trainer = _trainer(devices, strategy, dirpath, 4, [cb])
     trainer.fit(_module(lr=0.0), datamodule=_data())
@@ -151,7 +155,7 @@ def cli_yaml_run(run: str, devices: int) -> dict:
 
 
 def fit_run(run: str, devices: int) -> dict:
-    if run in ("fsdp2", "ddp", "single"):
+    if run in ("fsdp2", "ddp", "single", "tp", "pp"):
         return equal_weights_run(run, devices)
     if run in ("gate", "gate_resume"):
         return gate_run(run, devices)

@@ -16,7 +16,7 @@ import pytest
 import evals_worker as worker
 from dist_utils import in_this_process
 
-WORKER, LAUNCH = "evals_worker", {2: ["fsdp2", "ddp", "gate", "gate_resume", "cli_yaml"]}  # the shared 2-rank launch
+WORKER, LAUNCH = "evals_worker", {2: ["fsdp2", "ddp", "tp", "pp", "gate", "gate_resume", "cli_yaml"]}  # the shared 2-rank launch
 pytestmark = pytest.mark.skipif(not worker.EVALS.is_dir(), reason="../shared/evals not present")
 
 
@@ -36,13 +36,13 @@ def single(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_same_results_on_one_rank_two_ranks_and_fsdp2(launched, single):
+def test_same_results_on_one_rank_two_ranks_fsdp2_tensor_and_pipeline_parallel(launched, single):
     runs = launched(WORKER, 2)
     assert [h["step"] for h in single["history"]] == [2, 4]
     for h in single["history"]:
         assert {"eval/heldout/loss", "eval/piqa/acc", "eval/piqa/acc_norm", "eval/winogrande/acc",
                 "eval/lambada_openai/acc", "eval/lambada_openai/ppl"} <= h["metrics"].keys()
-    for run in ("fsdp2", "ddp"):
+    for run in ("fsdp2", "ddp", "tp", "pp"):
         for rank in runs[run]:
             assert [h["step"] for h in rank["history"]] == [2, 4]
             for mine, ref in zip(rank["history"], single["history"]):
