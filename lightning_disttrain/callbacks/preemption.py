@@ -18,6 +18,10 @@ What happens, in order:
    save has not finished ``grace_period_s`` after the agreement: the partial checkpoint has no
    manifest, so resume discovery skips it and takes the previous complete one.
 
+The handlers are in place from ``on_train_start`` to the end of ``fit``; a signal before that
+(model setup, checkpoint loading) ends the process as it would without the callback, with
+nothing trained yet to lose.
+
 Resume: ``trainer.fit(..., ckpt_path="last")`` finds ``last.ckpt`` and the DCP strategies
 resolve it to the newest checkpoint in its directory that verifies. For a first launch that may
 have no checkpoint at all, ``ckpt_path=PreemptionCheckpoint.resume_path(dirpath)`` is the newest
@@ -178,12 +182,30 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
+        if trainer.is_global_zero:
+            self._keep_last_link(trainer)
         step = trainer.global_step
         if step == self._checked_step or step % self.check_every_n_steps:
             return  # not a step boundary (gradient accumulation), or not a checking step
         self._checked_step = step
         if self._agree(trainer):
             self._save_and_exit(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self._keep_last_link(trainer)
+
+    def _keep_last_link(self, trainer: pl.Trainer) -> None:
+        # Without ModelCheckpoint(save_last=...), keep last.ckpt pointing at its newest save, so that
+        # ckpt_path="last" finds the directory after any end (all processes killed, a signal in the
+        # shutdown); the DCP strategies then take the newest checkpoint there that verifies.
+        for cb in trainer.checkpoint_callbacks:
+            if not isinstance(cb, ModelCheckpoint) or cb.save_last or not cb.dirpath or is_url(str(cb.dirpath)):
+                continue
+            newest = getattr(cb, "_last_checkpoint_saved", "")
+            link = Path(cb.dirpath) / "last.ckpt"
+            if newest and os.path.exists(newest) and (not link.is_symlink() or os.readlink(link) != Path(newest).name):
+                _point_last_at(Path(newest))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, PreemptionExit):

@@ -58,8 +58,9 @@ def launches(tmp_path_factory):
     first = _launch("first", root / "data", out)
     # What the first launch left, before the second one adds to the directory.
     pre_listing = sorted(p.name for p in (out / "pre_ckpt").iterdir())
+    pre_last = (out / "pre_ckpt" / "last.ckpt").resolve()
     second = _launch("second", root / "data", out)
-    return {"out": out, "first": first, "second": second, "pre_listing": pre_listing}
+    return {"out": out, "first": first, "second": second, "pre_listing": pre_listing, "pre_last": pre_last}
 
 
 @pytest.mark.slow
@@ -73,7 +74,7 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_exits_with_the_code(launche
     path = Path(ranks[0]["path"])
     manifest = verify_checkpoint(path)  # every file re-hashed against the manifest
     assert manifest.world_size == 2 and manifest.global_step == 5
-    assert (path.parent / "last.ckpt").resolve() == path.resolve()
+    assert launches["pre_last"] == path.resolve()  # last.ckpt, as the first launch left it
     # The async step-4 save that was in flight completed before the preemption save.
     assert "step=004.ckpt" in launches["pre_listing"]
     assert read_manifest(path.parent / "step=004.ckpt").global_step == 4
@@ -90,6 +91,12 @@ def test_relaunch_with_last_resumes_bitwise_at_the_preemption_step(launches):
         assert pre[rank]["losses"] == ref[rank]["losses"][:5]  # float.hex: bitwise
         assert resumed[rank]["losses"] == ref[rank]["losses"][5:]  # steps 6..8 after the resume
     assert "Resuming from" in output and "preempted-step=000005.ckpt" in output
+    # The resumed run saved steps 6 and 8 beside it: the newest complete one is what a relaunch takes.
+    assert PreemptionCheckpoint.resume_path(launches["out"] / "pre_ckpt").endswith("step=008.ckpt")
+
+
+def test_resume_path_of_an_empty_directory_is_none(tmp_path):
+    assert PreemptionCheckpoint.resume_path(tmp_path) is None  # a first launch starts from scratch
 
 
 @pytest.mark.slow
@@ -98,6 +105,7 @@ def test_sigkill_of_one_rank_during_a_save(launches):
     assert rc != 0  # the surviving rank fails, it does not hang
     killed = json.loads((launches["out"] / "reference.rank1.json").read_text())
     assert ended - killed["killed_at"] < EXIT_BOUND_S, output[-4000:]
+    print(f"the launch ended {ended - killed['killed_at']:.1f} s after rank 1's SIGKILL")
     ckpt_dir = launches["out"] / "kill_ckpt"
     by_name = {c.path.name: c for c in list_checkpoints(ckpt_dir)}
     assert not by_name["step=008.ckpt"].complete  # the partial one: no manifest
@@ -158,6 +166,17 @@ def test_sigterm_single_process_under_lightnings_strategy(tmp_path):
         assert not isinstance(getattr(handler, "__self__", None), PreemptionCheckpoint)  # restored
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_last_link_follows_the_newest_save_without_save_last(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=2, monitor="step", mode="max")
+    _boring_trainer(tmp_path, [PreemptionCheckpoint(), mc], max_steps=7).fit(BoringModel())
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert (tmp_path / "ckpt" / "last.ckpt").resolve().name == "epoch=0-step=6.ckpt"
 
 
 def test_check_every_n_steps_defers_the_save_to_a_checking_step(tmp_path):
