@@ -1,0 +1,202 @@
+"""Fault injection: SIGTERM to a random rank at a random moment, relaunch, compare with an uninterrupted run.
+
+    python benchmarks/bench_preemption.py                 # 20 trials, 12 steps, 2 CPU ranks
+    python benchmarks/bench_preemption.py --trials 30 --seed 1
+
+One uninterrupted run first (the reference losses, and the agreement collective's time per
+step). Then each trial: launch the same run in a fresh directory (async DCP saves every 3 steps,
+``PreemptionCheckpoint`` with its defaults), wait until both ranks are training, sleep a random
+time within the training span, SIGTERM one random rank (the moment lands anywhere: data loading,
+forward, backward, optimizer, an async save in flight, its finalisation), wait for the exit; then
+relaunch with ``ckpt_path="last"`` to the end and compare the losses after the resume with the
+reference's, bitwise (float.hex). Per trial:
+
+- exit code (143 expected) and the time from the signal to the exit of the whole launch;
+- the step the signal interrupted (the last batch start before it, on the signalled rank) and the
+  step saved: steps lost beyond the boundary = max(0, interrupted - 1 - saved) (goal 0);
+- every checkpoint with a manifest re-verified (sha256 of every file): a checkpoint that reads as
+  complete but fails verification is a corrupted checkpoint accepted (must be 0);
+- resumed losses equal to the reference's from the saved step on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("preemption_worker.py")
+
+
+def _env() -> dict:
+    env = os.environ.copy()
+    env["PYTHONPATH"] = str(REPO)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "PL_GLOBAL_SEED"):
+        env.pop(key, None)
+    return env
+
+
+def _start(data: Path, ckpt: Path, out: Path, run: str, steps: int, *extra: str, probe: bool = False) -> subprocess.Popen:
+    log = open(out / f"{run}.log", "w")
+    env = _env() | ({"BENCH_PROBE": "1"} if probe else {})
+    return subprocess.Popen([sys.executable, str(WORKER), str(data), str(ckpt), str(out), run, str(steps), *extra],
+                            env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def _ranks(out: Path, run: str) -> list[dict]:
+    return [json.loads((out / f"{run}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def _wait_training(out: Path, run: str, proc: subprocess.Popen, timeout: float = 300) -> list[int] | None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        pids = [out / f"{run}.pid{r}" for r in range(2)]
+        if all(p.exists() and p.read_text() for p in pids):
+            return [int(p.read_text()) for p in pids]
+        time.sleep(0.05)
+    return None
+
+
+def _step_at(out: Path, run: str, rank: int, when: float) -> int | None:
+    step = None
+    for line in (out / f"{run}.steps{rank}").read_text().splitlines():
+        t, s = line.split()
+        if float(t) <= when:
+            step = int(s)
+    return step
+
+
+def _corrupted_accepted(ckpt: Path) -> tuple[int, int]:
+    from lightning_disttrain.checkpoint import CheckpointVerificationError, list_checkpoints, verify_checkpoint
+
+    complete = [c for c in list_checkpoints(ckpt) if c.complete]
+    bad = 0
+    for cand in complete:
+        try:
+            verify_checkpoint(cand.resolved)
+        except CheckpointVerificationError:
+            bad += 1
+    return bad, len(complete)
+
+
+def trial(index: int, rng: random.Random, data: Path, root: Path, steps: int, span_s: float, ref: list[dict]) -> dict:
+    out = root / f"trial{index:02d}"
+    out.mkdir()
+    ckpt = out / "ckpt"
+    proc = _start(data, ckpt, out, "pre", steps)
+    pids = _wait_training(out, "pre", proc)
+    rank, delay = rng.randrange(2), rng.uniform(0.0, span_s)
+    row: dict = {"trial": index, "rank": rank, "delay_s": round(delay, 2)}
+    if pids is None:
+        row["error"] = "did not start"
+        _finish(proc)
+        return row
+    time.sleep(delay)
+    sent = time.time()
+    try:
+        os.kill(pids[rank], signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    code = _finish(proc)
+    row.update(exit_code=code, exit_s=round(time.time() - sent, 2))
+    pre = _ranks(out, "pre")
+    interrupted = _step_at(out, "pre", rank, sent)
+    row["interrupted_step"] = interrupted
+    if code == 0:  # the signal came after the last step's boundary: the run had finished
+        row.update(saved_step=None, lost_steps=0, resumed_equal=pre[0]["losses"] == ref[0]["losses"])
+        row["corrupted_accepted"], row["complete_ckpts"] = _corrupted_accepted(ckpt)
+        return row
+    saved = pre[0].get("saved_step")
+    row["saved_step"] = saved
+    row["lost_steps"] = None if saved is None or interrupted is None else max(0, interrupted - 1 - saved)
+    row["corrupted_accepted"], row["complete_ckpts"] = _corrupted_accepted(ckpt)
+    resume = _start(data, ckpt, out, "resume", steps, "last")
+    row["resume_exit_code"] = _finish(resume)
+    if row["resume_exit_code"] == 0:
+        resumed = _ranks(out, "resume")
+        start = resumed[0]["start_step"]
+        row["resumed_from"] = start
+        row["resumed_equal"] = all(resumed[r]["losses"] == ref[r]["losses"][start:] for r in range(2))
+        row["losses_before_equal"] = all(pre[r]["losses"] == ref[r]["losses"][:len(pre[r]["losses"])]
+                                         for r in range(2))
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
+    args = p.parse_args()
+    root = Path(args.out or tempfile.mkdtemp(prefix="bench_preemption_"))
+    root.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO / "tests" / "checkpoint" / "scripts"))
+    sys.path.insert(0, str(REPO))
+    from harness import write_indexed_shard
+
+    data = root / "data"
+    write_indexed_shard(data)
+    ref_dir = root / "reference"
+    ref_dir.mkdir()
+    t0 = time.time()
+    proc = _start(data, ref_dir / "ckpt", ref_dir, "ref", args.steps, probe=True)
+    _wait_training(ref_dir, "ref", proc)
+    started = time.time()
+    if _finish(proc) != 0:
+        raise SystemExit(f"reference run failed: see {ref_dir / 'ref.log'}")
+    ref = _ranks(ref_dir, "ref")
+    agreement = [s for r in ref for s in r["agreement_s"]]
+    aligned = [s for r in ref for s in r["aligned_all_reduce_s"]]
+    steps_log = [float(line.split()[0]) for line in (ref_dir / "ref.steps0").read_text().splitlines()]
+    step_s = statistics.median(b - a for a, b in zip(steps_log, steps_log[1:]))
+    # Signals land from the moment both ranks train until the last step's end.
+    span_s = steps_log[-1] - started + step_s
+    print(f"reference: {args.steps} steps, training span {span_s:.1f} s (launch {started - t0:.1f} s), median step "
+          f"{step_s * 1e3:.1f} ms; agreement all_reduce (incl. waiting for the slower rank): median "
+          f"{statistics.median(agreement) * 1e6:.0f} us, max {max(agreement) * 1e6:.0f} us; the same all_reduce "
+          f"on aligned ranks: median {statistics.median(aligned) * 1e6:.0f} us, max {max(aligned) * 1e6:.0f} us "
+          f"({statistics.median(aligned) / step_s:.3%} of the median step; {len(aligned)} rank-steps)", flush=True)
+    rng = random.Random(args.seed)
+    rows = []
+    for i in range(args.trials):
+        row = trial(i, rng, data, root, args.steps, span_s, ref)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    preempted = [r for r in rows if r.get("exit_code") not in (0, None)]
+    print("\nsummary:")
+    print(f"  trials {len(rows)}; preempted {len(preempted)} (exit codes {sorted({r.get('exit_code') for r in rows})}); "
+          f"finished before the signal took effect {sum(r.get('exit_code') == 0 for r in rows)}")
+    print(f"  steps lost beyond the boundary: total {sum(r.get('lost_steps') or 0 for r in rows)}")
+    print(f"  corrupted checkpoints accepted: {sum(r.get('corrupted_accepted', 0) for r in rows)} "
+          f"(of {sum(r.get('complete_ckpts', 0) for r in rows)} complete checkpoints re-verified)")
+    print(f"  resumed losses bitwise equal to the reference: {sum(bool(r.get('resumed_equal')) for r in preempted)}"
+          f"/{len(preempted)}")
+    if preempted:
+        exits = [r["exit_s"] for r in preempted]
+        print(f"  signal to exit: median {statistics.median(exits):.1f} s, max {max(exits):.1f} s")
+    (root / "results.json").write_text(json.dumps({"rows": rows, "agreement_s": agreement, "aligned_s": aligned,
+                                                   "step_s": step_s}))
+    print(f"  rows: {root / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

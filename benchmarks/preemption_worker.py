@@ -1,0 +1,92 @@
+"""One training process of bench_preemption.py (2 gloo ranks through Lightning's launcher).
+
+    python preemption_worker.py DATA CKPT_DIR OUT RUN STEPS [last]
+
+The project's pieces (NDParallelStrategy with async DCP saves every 3 steps, GPTModule with
+dropout, TokenDataModule over the indexed shard of tests/checkpoint/scripts/harness.py) and
+``PreemptionCheckpoint`` with its defaults (SIGTERM, exit code 143). Each rank writes
+``OUT/RUN.rank<R>.json`` (losses as float.hex, the agreement's time per step) and, while
+training, ``OUT/RUN.pid<R>`` and ``OUT/RUN.steps<R>`` (one "time step" line per batch start), so
+that the bench can signal a rank and tell which step it interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore")
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "checkpoint" / "scripts")]
+from harness import Recorder, build_data, build_module, build_strategy  # noqa: E402
+
+from lightning_disttrain.callbacks import PreemptionCheckpoint, PreemptionExit  # noqa: E402
+
+
+class StepLog(L.Callback):
+    def __init__(self, out: Path, run: str) -> None:
+        self.out, self.run, self.file = out, run, None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        (self.out / f"{self.run}.pid{trainer.global_rank}").write_text(str(os.getpid()))
+        self.file = open(self.out / f"{self.run}.steps{trainer.global_rank}", "a", buffering=1)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.file.write(f"{time.time()} {trainer.global_step + 1}\n")  # the step now starting (1-based)
+
+
+class AlignedAllReduce(L.Callback):
+    """Right after the agreement (ranks aligned by it), the same all_reduce again, timed: the
+    collective's own cost, without the wait for the slower rank that the agreement's time includes."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import torch.distributed as dist
+
+        flag = torch.zeros(1, dtype=torch.int32)
+        start = time.perf_counter()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.seconds.append(time.perf_counter() - start)
+
+
+def main() -> None:
+    data, ckpt_dir, out, run, steps = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    ckpt_path = sys.argv[6] if len(sys.argv) > 6 else None
+    L.seed_everything(1234, workers=True)
+    rec, pre = Recorder(), PreemptionCheckpoint()
+    probe = [AlignedAllReduce()] if os.environ.get("BENCH_PROBE") else []
+    mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=3, save_top_k=2,
+                         monitor="step", mode="max")
+    trainer = L.Trainer(strategy=build_strategy(async_save=True), devices=2, accelerator="cpu", max_steps=steps,
+                        callbacks=[rec, pre, *probe, StepLog(out, run), mc], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, default_root_dir=str(out))
+    result: dict = {}
+    try:
+        trainer.fit(build_module(total_steps=steps), datamodule=build_data(data), ckpt_path=ckpt_path)
+    except PreemptionExit as exc:
+        result.update(exit_code=exc.code, saved_step=exc.step, path=exc.path, exit_time=time.time())
+        raise
+    finally:
+        result.update(losses=rec.losses, start_step=rec.start_step, agreement_s=pre.agreement_seconds,
+                      aligned_all_reduce_s=probe[0].seconds if probe else [], reason=pre.reason)
+        path = out / f"{run}.rank{trainer.global_rank}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(result))
+        path.with_suffix(".tmp").replace(path)
+
+
+if __name__ == "__main__":
+    main()
