@@ -134,6 +134,11 @@ def trial(index: int, rng: random.Random, data: Path, root: Path, steps: int, sp
         resumed = _ranks(out, "resume")
         start = resumed[0]["start_step"]
         row["resumed_from"] = start
+        if start is None and not any(r["losses"] for r in resumed):
+            # The signal came in the shutdown after the last step (Lightning had restored the default
+            # handler); the relaunch found the final checkpoint and had no step left to train.
+            row["nothing_left"] = True
+            return row
         row["resumed_equal"] = all(resumed[r]["losses"] == ref[r]["losses"][start:] for r in range(2))
         row["losses_before_equal"] = all(pre[r]["losses"] == ref[r]["losses"][:len(pre[r]["losses"])]
                                          for r in range(2))
@@ -181,10 +186,11 @@ def main() -> None:
         row = trial(i, rng, data, root, args.steps, span_s, ref)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    preempted = [r for r in rows if r.get("exit_code") not in (0, None)]
+    preempted = [r for r in rows if r.get("exit_code") not in (0, None) and not r.get("nothing_left")]
     print("\nsummary:")
     print(f"  trials {len(rows)}; preempted {len(preempted)} (exit codes {sorted({r.get('exit_code') for r in rows})}); "
-          f"finished before the signal took effect {sum(r.get('exit_code') == 0 for r in rows)}")
+          f"finished before the signal took effect {sum(r.get('exit_code') == 0 for r in rows)}; signal in the "
+          f"shutdown after the last step, relaunch had nothing left {sum(bool(r.get('nothing_left')) for r in rows)}")
     print(f"  steps lost beyond the boundary: total {sum(r.get('lost_steps') or 0 for r in rows)}")
     print(f"  corrupted checkpoints accepted: {sum(r.get('corrupted_accepted', 0) for r in rows)} "
           f"(of {sum(r.get('complete_ckpts', 0) for r in rows)} complete checkpoints re-verified)")
