@@ -85,7 +85,11 @@ def _step_at(out: Path, run: str, rank: int, when: float) -> int | None:
 
 
 def _corrupted_accepted(ckpt: Path) -> tuple[int, int]:
-    from lightning_disttrain.checkpoint import CheckpointVerificationError, list_checkpoints, verify_checkpoint
+    from lightning_disttrain.checkpoint import (
+        CheckpointVerificationError,
+        list_checkpoints,
+        verify_checkpoint,
+    )
 
     complete = [c for c in list_checkpoints(ckpt) if c.complete]
     bad = 0

@@ -22,7 +22,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_disttrain.checkpoint.cadence import Cadence, checkpoint_cadence, job_mtbf_seconds
+from lightning_disttrain.checkpoint.cadence import (
+    Cadence,
+    checkpoint_cadence,
+    job_mtbf_seconds,
+)
 
 log = logging.getLogger(__name__)
 

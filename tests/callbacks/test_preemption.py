@@ -20,12 +20,21 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-
 from dist_utils import kill_tree, popen
 
-from lightning_disttrain.callbacks import AWSSpotNotice, GCPPreemptionNotice, PreemptionCheckpoint, PreemptionExit
+from lightning_disttrain.callbacks import (
+    AWSSpotNotice,
+    GCPPreemptionNotice,
+    PreemptionCheckpoint,
+    PreemptionExit,
+)
 from lightning_disttrain.callbacks.preemption_notices import NoticePoller
-from lightning_disttrain.checkpoint import find_latest_checkpoint, list_checkpoints, read_manifest, verify_checkpoint
+from lightning_disttrain.checkpoint import (
+    find_latest_checkpoint,
+    list_checkpoints,
+    read_manifest,
+    verify_checkpoint,
+)
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "preemption_run.py"
@@ -83,7 +92,7 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_exits_with_the_code(launche
 
 @pytest.mark.slow
 def test_relaunch_with_last_resumes_bitwise_at_the_preemption_step(launches):
-    rc, _, output = launches["second"]
+    _, _, output = launches["second"]
     ref, pre, resumed = (_ranks(launches["out"], run) for run in ("reference", "preempted", "resumed"))
     assert [r["start_step"] for r in resumed] == [5, 5], output[-4000:]
     for rank in range(2):

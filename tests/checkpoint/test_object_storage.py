@@ -16,7 +16,7 @@ from ckpt_helpers import Wrapper, save
 pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
 
-from lightning_disttrain.checkpoint import (  # noqa: E402
+from lightning_disttrain.checkpoint import (  # noqa: E402  # noqa: E402
     MANIFEST_NAME,
     CheckpointVerificationError,
     CheckpointWriter,
@@ -24,9 +24,10 @@ from lightning_disttrain.checkpoint import (  # noqa: E402
     list_checkpoints,
     load_sharded,
     prune_checkpoints,
+    rng,
+    storage,
     verify_checkpoint,
 )
-from lightning_disttrain.checkpoint import rng, storage  # noqa: E402
 from lightning_disttrain.checkpoint.dcp_io import Comm, load_meta  # noqa: E402
 
 BUCKET = "ldt-test"
@@ -35,9 +36,8 @@ BUCKET = "ldt-test"
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     import fsspec
-    from moto.server import ThreadedMotoServer
-
     from dist_utils import free_port
+    from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
     server.start()
