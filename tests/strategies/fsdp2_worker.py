@@ -231,7 +231,49 @@ def _unit_reshard(model) -> dict:
     return out
 
 
+CLI_BY_NAME = """
+seed_everything: 0
+trainer:
+  strategy: fsdp2
+  devices: {devices}
+  accelerator: cpu
+  max_steps: 3
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: cli_worker.ReportStrategy
+      init_args: {{out_dir: {out}}}
+model:
+  class_path: lightning_disttrain.GPTModule
+  init_args:
+    config: tiny
+    model_overrides: {{n_layer: 2, n_embd: 32, n_head: 2, n_kv_head: 2, mlp_hidden: 128, block_size: 16}}
+    schedule: constant
+data:
+  class_path: cli_worker.RandomTokenData
+"""
+"""``cli_by_name``: the strategy named in a LightningCLI YAML (``strategy: fsdp2``), the classes by class_path."""
+
+
+def cli_by_name(devices: int) -> dict:
+    import json
+    import os
+
+    from lightning_disttrain.cli import DistTrainCLI
+
+    out = Path(os.environ["LDT_LAUNCH_OUT"]) / "cli_by_name"
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / f"fit.rank{os.environ.get('LOCAL_RANK', '0')}.yaml"  # the process group may not exist yet
+    config.write_text(CLI_BY_NAME.format(devices=devices, out=out))
+    DistTrainCLI(args=["fit", "--config", str(config)])
+    return json.loads((out / f"cli.rank{dist.get_rank()}.json").read_text())
+
+
 def fit_run(run: str, devices: int) -> dict:
+    if run == "cli_by_name":
+        return cli_by_name(devices)
     strategy_name, accumulate = RUNS[run]
     dp = devices // (2 if strategy_name.endswith("_tp") else 1)  # TP ranks of one replica share its batch
     micro = GLOBAL_BATCH // (dp * accumulate)

@@ -5,17 +5,15 @@ starts the other ranks. Compared per optimizer step over 8 steps: the loss avera
 global batch, the gradient norm (every gradient gathered whole), the norm after clipping.
 """
 
-from pathlib import Path
 
 import pytest
 
 import fsdp2_worker as worker
-from dist_utils import in_this_process, read_ranks, run_lightning_script
+from dist_utils import in_this_process
 
-HERE = Path(__file__).parent
 TOL = 1e-5
 TWO_RANK_RUNS = ["fsdp2", "fsdp2_zero2", "fsdp2_accum4", "fsdp2_meta", "fsdp2_compile", "fsdp2_bf16", "flat_fsdp2",
-                 "ddp_like", "fsdp2_untied"]
+                 "ddp_like", "fsdp2_untied", "cli_by_name"]
 FOUR_RANK_RUNS = ["fsdp2", "hsdp", "fsdp2_reshard2", "fsdp2_tp", "hsdp_tp"]
 WORKER, LAUNCH = "fsdp2_worker", {2: TWO_RANK_RUNS, 4: FOUR_RANK_RUNS}  # launched by conftest.py
 
@@ -164,33 +162,10 @@ def test_meta_init_equals_single_process_meta_build(two):
         assert r["optimizer_steps"] == worker.STEPS and r["losses"] == ranks[0]["losses"]
 
 
-def test_lightning_cli_fit_by_name(tmp_path):
-    config = tmp_path / "fit.yaml"
-    config.write_text(f"""
-seed_everything: 0
-trainer:
-  strategy: fsdp2
-  devices: 2
-  accelerator: cpu
-  max_steps: 3
-  logger: false
-  enable_checkpointing: false
-  enable_progress_bar: false
-  enable_model_summary: false
-  callbacks:
-    - class_path: cli_worker.ReportStrategy
-      init_args: {{out_dir: {tmp_path}}}
-model:
-  class_path: lightning_disttrain.GPTModule
-  init_args:
-    config: tiny
-    model_overrides: {{n_layer: 2, n_embd: 32, n_head: 2, n_kv_head: 2, mlp_hidden: 128, block_size: 16}}
-    schedule: constant
-data:
-  class_path: cli_worker.RandomTokenData
-""")
-    run_lightning_script(HERE / "cli_worker.py", "fit", "--config", config, timeout=300)
-    ranks = read_ranks(tmp_path, "cli", 2)
+def test_lightning_cli_fit_by_name(two):
+    # A LightningCLI YAML naming the strategy (`strategy: fsdp2`), through DistTrainCLI on both ranks of the
+    # shared launch (fsdp2_worker.CLI_BY_NAME); cli_worker.ReportStrategy reports what was built.
+    ranks = two["cli_by_name"]
     for rank, r in enumerate(ranks):
         assert r["strategy"] == "FSDP2Strategy" and r["world_size"] == 2 and r["global_step"] == 3
         assert r["sampler"] == {"num_replicas": 2, "rank": rank}
