@@ -17,25 +17,19 @@ from lightning.pytorch.profilers import Profiler
 FETCH_ACTION = "train_dataloader_next"
 
 
-class FetchTimingProfiler(Profiler):
-    """The Trainer's profiler, unchanged, plus a clock on the training dataloader's ``next()``."""
+class WrappedProfiler(Profiler):
+    """The Trainer's profiler, unchanged: every call and attribute goes to ``inner``. Subclasses
+    add to ``start`` / ``stop`` (calling ``super()``)."""
 
     def __init__(self, inner: Profiler) -> None:
         # No Profiler.__init__: files, streams and state stay the wrapped profiler's.
         self.inner = inner
-        self.fetch_s = 0.0
-        self._t0: float | None = None
 
     def start(self, action_name: str) -> None:
-        if action_name.endswith(FETCH_ACTION):
-            self._t0 = time.perf_counter()
         self.inner.start(action_name)
 
     def stop(self, action_name: str) -> None:
         self.inner.stop(action_name)
-        if action_name.endswith(FETCH_ACTION) and self._t0 is not None:
-            self.fetch_s += time.perf_counter() - self._t0
-            self._t0 = None
 
     def summary(self) -> str:
         return self.inner.summary()
@@ -56,3 +50,23 @@ class FetchTimingProfiler(Profiler):
 
     def __del__(self) -> None:
         pass  # the wrapped profiler tears itself down
+
+
+class FetchTimingProfiler(WrappedProfiler):
+    """The Trainer's profiler, unchanged, plus a clock on the training dataloader's ``next()``."""
+
+    def __init__(self, inner: Profiler) -> None:
+        super().__init__(inner)
+        self.fetch_s = 0.0
+        self._t0: float | None = None
+
+    def start(self, action_name: str) -> None:
+        if action_name.endswith(FETCH_ACTION):
+            self._t0 = time.perf_counter()
+        super().start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        super().stop(action_name)
+        if action_name.endswith(FETCH_ACTION) and self._t0 is not None:
+            self.fetch_s += time.perf_counter() - self._t0
+            self._t0 = None

@@ -36,7 +36,7 @@ from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lightning_disttrain.callbacks.fetch_timing import FETCH_ACTION
+from lightning_disttrain.callbacks.fetch_timing import FETCH_ACTION, WrappedProfiler
 from lightning_disttrain.callbacks.step_breakdown import (
     BOUNDARY,
     DATA_WAIT,
@@ -48,11 +48,11 @@ from lightning_disttrain.callbacks.step_breakdown import (
 )
 
 
-class _DataWaitMarks(Profiler):
+class _DataWaitMarks(WrappedProfiler):
     """The Trainer's profiler, unchanged, plus a profiler range around the dataloader's ``next()``."""
 
     def __init__(self, inner: Profiler) -> None:
-        self.inner = inner  # no Profiler.__init__: files and state stay the wrapped profiler's
+        super().__init__(inner)
         self.armed = False
         self._range: record_function | None = None
 
@@ -60,33 +60,13 @@ class _DataWaitMarks(Profiler):
         if self.armed and action_name.endswith(FETCH_ACTION):
             self._range = record_function(DATA_WAIT)
             self._range.__enter__()
-        self.inner.start(action_name)
+        super().start(action_name)
 
     def stop(self, action_name: str) -> None:
-        self.inner.stop(action_name)
+        super().stop(action_name)
         if self._range is not None and action_name.endswith(FETCH_ACTION):
             self._range.__exit__(None, None, None)
             self._range = None
-
-    def summary(self) -> str:
-        return self.inner.summary()
-
-    def describe(self) -> None:
-        self.inner.describe()
-
-    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
-        self.inner.setup(stage, local_rank=local_rank, log_dir=log_dir)
-
-    def teardown(self, stage: str | None) -> None:
-        self.inner.teardown(stage)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __del__(self) -> None:
-        pass
 
 
 class ProfilerCallback(Callback):

@@ -182,15 +182,18 @@ def check_files(ckpt_dir: str | os.PathLike, manifest: Manifest, rel_paths: Iter
     Size first (cheap, and says "truncated" rather than "sha256 mismatch"), then the hash.
     """
     if storage.is_url(ckpt_dir):
-        return _check_url_files(str(ckpt_dir), manifest, rel_paths)
-    root = Path(ckpt_dir)
+        url = str(ckpt_dir)
+        locate, exists, size_of = (lambda rel: storage.url_join(url, rel)), storage.url_exists, storage.url_size
+    else:
+        root = Path(ckpt_dir)
+        locate, exists, size_of = (lambda rel: root / rel), (lambda p: p.is_file()), (lambda p: p.stat().st_size)
     problems = []
     for rel in rel_paths:
-        entry, path = manifest.files[rel], root / rel
+        entry, path = manifest.files[rel], locate(rel)
         try:
-            if not path.is_file():
+            if not exists(path):
                 problems.append((rel, f"is missing (listed in {MANIFEST_NAME})"))
-            elif (size := path.stat().st_size) != entry.bytes:
+            elif (size := size_of(path)) != entry.bytes:
                 kind = "truncated" if size < entry.bytes else "longer than recorded"
                 problems.append((rel, f"is {kind}: {size} bytes, {MANIFEST_NAME} says {entry.bytes}"))
             elif sha256_file(path) != entry.sha256:
@@ -198,23 +201,6 @@ def check_files(ckpt_dir: str | os.PathLike, manifest: Manifest, rel_paths: Iter
         except OSError as err:
             # A problem, not an exception: in a distributed check the other ranks wait for this
             # rank's list in a collective, and an exception here would leave them waiting.
-            problems.append((rel, f"could not be read ({type(err).__name__}: {err})"))
-    return problems
-
-
-def _check_url_files(url: str, manifest: Manifest, rel_paths: Iterable[str]) -> list[Problem]:
-    problems = []
-    for rel in rel_paths:
-        entry, path = manifest.files[rel], storage.url_join(url, rel)
-        try:
-            if not storage.url_exists(path):
-                problems.append((rel, f"is missing (listed in {MANIFEST_NAME})"))
-            elif (size := storage.url_size(path)) != entry.bytes:
-                kind = "truncated" if size < entry.bytes else "longer than recorded"
-                problems.append((rel, f"is {kind}: {size} bytes, {MANIFEST_NAME} says {entry.bytes}"))
-            elif sha256_file(path) != entry.sha256:
-                problems.append((rel, f"is corrupted: its sha256 differs from the one in {MANIFEST_NAME}"))
-        except OSError as err:
             problems.append((rel, f"could not be read ({type(err).__name__}: {err})"))
     return problems
 
