@@ -47,8 +47,14 @@ def launched(tmp_path_factory):
         jobs = _NEEDED.get(devices, [])
         if devices not in done:
             out = tmp_path_factory.mktemp(f"ranks{devices}")
-            run_lightning_script(Path(__file__).parent / "multi_worker.py", out, devices,
-                                 *(f"{w}:{r}" for w, r in jobs), timeout=300 + 60 * len(jobs))
+            try:
+                run_lightning_script(Path(__file__).parent / "multi_worker.py", out, devices,
+                                     *(f"{w}:{r}" for w, r in jobs), timeout=300 + 60 * len(jobs))
+            except AssertionError as e:
+                first = "".join(f"\n--- {p.name} ---\n{p.read_text()[-4000:]}" for p in sorted(out.glob("FAILED.*")))
+                finished = sorted(p.name for p in out.glob("*.rank0.json"))
+                raise AssertionError(f"{e}\n\nruns finished on rank 0: {finished}\n"
+                                     f"failed runs:{first or ' none recorded'}") from None
             done[devices] = out
         return {run: read_ranks(done[devices], f"{w}.{run}", devices) for w, run in jobs if w == worker}
 

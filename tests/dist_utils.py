@@ -50,9 +50,21 @@ def _check(procs: list[tuple[subprocess.Popen, str]], timeout: float) -> None:
             failures.append(f"{name}: timed out after {timeout}s\n{out[-6000:]}")
             continue
         if proc.returncode != 0:
-            failures.append(f"{name}: exit code {proc.returncode}\n{out[-6000:]}")
+            failures.append(f"{name}: exit code {proc.returncode}\n{out[-6000:]}{_rank_tails(out)}")
     if failures:
         raise AssertionError("\n\n".join(failures))
+
+
+def _rank_tails(out: str) -> str:
+    """The last lines torch printed for each rank (``[rankN]:`` prefixes): the ranks' outputs
+    interleave, and the overall tail often shows only one rank's echo of another's failure."""
+    ranks: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("[rank") and "]:" in line[:12]:
+            ranks.setdefault(line[:line.index("]:") + 2], []).append(line)
+    if len(ranks) < 2:
+        return ""
+    return "".join(f"\n\n--- last lines of {r} ---\n" + "\n".join(lines[-25:]) for r, lines in sorted(ranks.items()))
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

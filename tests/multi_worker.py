@@ -12,9 +12,11 @@ find ``OUT_DIR`` in ``LDT_LAUNCH_OUT`` for files every rank shares.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import sys
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -25,6 +27,7 @@ from dist_utils import write_rank_json  # noqa: E402
 
 
 def main() -> None:
+    faulthandler.enable()  # a rank that dies in native code (segfault, abort) still prints where
     out_dir, devices, jobs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     os.environ["LDT_LAUNCH_OUT"] = str(Path(out_dir).resolve())  # a directory every rank of the launch shares
     for job in jobs:
@@ -34,7 +37,15 @@ def main() -> None:
         # themselves, on every rank).
         os.environ.pop("PL_GLOBAL_SEED", None)
         worker, run = job.split(":")
-        result = importlib.import_module(worker).fit_run(run, devices)
+        try:
+            result = importlib.import_module(worker).fit_run(run, devices)
+        except BaseException:
+            # Which run failed on which rank, whole, for the test's message: the launch's output
+            # interleaves every rank and keeps only its tail, often the *other* rank's
+            # "connection reset" instead of the first error.
+            rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", "0"))
+            (Path(out_dir) / f"FAILED.{job.replace(':', '.')}.rank{rank}.txt").write_text(traceback.format_exc())
+            raise
         write_rank_json(out_dir, f"{worker}.{run}", dist.get_rank() if dist.is_initialized() else 0, result)
 
 
