@@ -23,9 +23,15 @@ The handlers are in place from ``on_train_start`` to the end of ``fit``; a signa
 nothing trained yet to lose.
 
 Resume: ``trainer.fit(..., ckpt_path="last")`` finds ``last.ckpt`` and the DCP strategies
-resolve it to the newest checkpoint in its directory that verifies. For a first launch that may
-have no checkpoint at all, ``ckpt_path=PreemptionCheckpoint.resume_path(dirpath)`` is the newest
-complete checkpoint there or None (start from scratch).
+resolve it to the newest checkpoint in its directory that verifies. ``ckpt_path="auto"`` (with this
+callback in the Trainer) takes the newest complete checkpoint in this callback's and every
+``ModelCheckpoint``'s directory, or starts from scratch when there is none: the same command for
+the first launch and every relaunch, with or without ``last.ckpt``. Outside ``fit``,
+``PreemptionCheckpoint.resume_path(dirpath)`` gives the same answer for one directory.
+
+A checkpoint that cannot be written (disk full) during the preemption save: the previous complete
+checkpoints stay (``CheckpointSaveError`` in ``checkpoint.dcp_io``), the error is logged and every
+rank still exits with ``exit_code``; the relaunch resumes from the newest complete one.
 
 A rank that loses a peer (SIGKILL, a lost node) gets an error from its next collective (gloo:
 "Connection closed by peer", at once) and Lightning ends the run; nothing can be saved without
@@ -161,6 +167,37 @@ class PreemptionCheckpoint(Callback):
             self.reason = None
             self._checked_step = -1
             self._take_over_lightnings_handlers(trainer)
+            self._resolve_auto_on_restore(trainer)
+
+    def _resolve_auto_on_restore(self, trainer: pl.Trainer) -> None:
+        # Lightning passes ckpt_path="auto" through unchanged (not one of its names) to the restore,
+        # which runs after every setup hook (before or after the strategy's setup): translate it there.
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        if connector is None or "resume_start" in vars(connector):
+            return
+        original = connector.resume_start
+
+        def resume_start(checkpoint_path=None, weights_only=None):
+            del connector.resume_start  # once per fit
+            if checkpoint_path is not None and str(checkpoint_path) == "auto":
+                checkpoint_path = self.auto_resume_path(trainer)
+            return original(checkpoint_path, weights_only)
+
+        connector.resume_start = resume_start
+
+    def auto_resume_path(self, trainer: pl.Trainer) -> str | None:
+        """What ``ckpt_path="auto"`` loads: the newest complete checkpoint in this callback's and every
+        ModelCheckpoint's directory (files for Lightning's own strategies), or None."""
+        from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
+
+        dirs = [self.dirpath or self._default_dirpath(trainer)]
+        dirs += [str(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        found = _newest_complete(dict.fromkeys(dirs), files=not isinstance(trainer.strategy, DCPCheckpointMixin))
+        if trainer.is_global_zero:
+            log.warning("ckpt_path='auto': %s", f"resuming from {found}" if found else
+                        f"no complete checkpoint in {', '.join(dict.fromkeys(dirs))}; starting from scratch")
+        return found
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Every ModelCheckpoint has resolved its directory by now (its setup runs after ours).
@@ -250,17 +287,28 @@ class PreemptionCheckpoint(Callback):
         strategy = trainer.strategy
         wait = getattr(strategy, "wait_for_checkpoint", None)
         if wait is not None:
-            wait()  # the async save in flight gets its manifest first
-        was_async = getattr(strategy, "async_save", None)
+            wait()  # the async save in flight gets its manifest first (or is reported as failed)
+        was_async, on_error = getattr(strategy, "async_save", None), getattr(strategy, "on_save_error", None)
         if was_async:
             strategy.async_save = False  # this one must be complete before we exit
+        if on_error is not None:
+            strategy.on_save_error = "stop"  # and a failure must not read as a success below
         try:
             trainer.save_checkpoint(path)
             if wait is not None:
                 wait()
+        except Exception as err:  # a save error is raised on every rank together (dcp_io)
+            watchdog.cancel()
+            log.error("rank %d: preempted (%s) but the checkpoint could not be saved: %s; exiting with code %d, "
+                      "the relaunch resumes from the newest complete checkpoint", trainer.global_rank, why, err,
+                      self.exit_code)
+            _stop_child_observer()
+            raise PreemptionExit(self.exit_code, None, step) from err
         finally:
             if was_async:
                 strategy.async_save = was_async
+            if on_error is not None:
+                strategy.on_save_error = on_error
         if trainer.is_global_zero and not is_url(path):
             _point_last_at(Path(path))
         strategy.barrier("preemption-checkpoint")
@@ -296,6 +344,25 @@ class PreemptionCheckpoint(Callback):
 
         found = find_latest_checkpoint(dirpath)
         return None if found is None else str(found)
+
+
+def _newest_complete(dirs, files: bool) -> str | None:
+    """The newest complete checkpoint in ``dirs``: DCP directories with a manifest (the eval gate's
+    failures skipped), or with ``files`` Lightning's checkpoint files (newest by modification time)."""
+    from lightning_disttrain.checkpoint.discovery import list_checkpoints
+
+    best: tuple[float, str] | None = None
+    for d in dirs:
+        if files:
+            if is_url(d) or not os.path.isdir(d):
+                continue
+            found = [(os.path.getmtime(p), str(p)) for p in Path(d).glob("*.ckpt")
+                     if p.is_file() and not p.is_symlink()]
+        else:
+            found = [(c.timestamp, str(c.resolved)) for c in list_checkpoints(d) if c.complete and not c.failed]
+        for entry in found:
+            best = max(best, entry) if best else entry
+    return None if best is None else best[1]
 
 
 def _join(directory: str, name: str) -> str:

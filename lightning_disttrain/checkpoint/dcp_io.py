@@ -18,6 +18,13 @@ and the finalisation that follows the write: every rank hashes a slice of the fi
 the manifest, everyone learns the outcome. All of its collectives run on a dedicated gloo group,
 because async writes run collectives from a background thread while training keeps using the
 default group (and because async_save needs a CPU backend even when training uses NCCL).
+
+A save that fails (a full disk, a lost bucket) raises :class:`CheckpointSaveError` on every rank
+together (each local write's outcome is agreed before DCP's collectives start) and leaves the
+previous checkpoints complete: the partial directory is deleted, a complete checkpoint that the
+save was overwriting in place (``save_last=True`` reuses ``last.ckpt``) was moved aside to
+``<name>.replaced`` and is moved back, and deletions that retention asked for meanwhile wait until
+a later save completes.
 """
 
 from __future__ import annotations
@@ -56,6 +63,16 @@ log = logging.getLogger(__name__)
 
 META_NAME = "meta.pt"
 MODEL_KEY = "state_dict"
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (raised on every rank together). The directory has no manifest
+    (resume skips it) and the checkpoints saved before it are untouched."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        self.path, self.reason = str(path), reason
+        super().__init__(f"saving checkpoint {str(path)!r} failed: {reason}. Nothing was marked complete; the "
+                         f"previous checkpoints are untouched and resume (ckpt_path='last') takes the newest of them")
 
 
 def optimizer_key(index: int) -> str:
@@ -114,35 +131,57 @@ def remove_checkpoint_path(path: str | os.PathLike) -> None:
 _OURS = (MANIFEST_NAME, ".metadata", META_NAME, rng.RNG_DIR)
 
 
-def _prepare_directory(path: Path | str) -> str | None:
-    """Make ``path`` an empty directory; an error message instead when that would destroy data."""
+def aside_path(path: Path) -> Path:
+    """Where a complete checkpoint waits while a save overwrites it in place (discovery sees it)."""
+    return path.with_name(path.name + ".replaced")
+
+
+def _prepare(path: Path | str) -> tuple[str | None, str | None, Path | None]:
+    """Rank 0: ``_prepare_directory`` as (refusal, OS error, the complete checkpoint moved aside)."""
+    try:
+        refusal, aside = _prepare_directory(path)
+        return refusal, None, aside
+    except OSError as err:
+        return None, f"rank 0 preparing the directory: {err}", None
+
+
+def _prepare_directory(path: Path | str) -> tuple[str | None, Path | None]:
+    """Make ``path`` an empty directory. Returns an error message instead when that would destroy
+    data, and the directory a complete checkpoint at ``path`` was moved to (None if none)."""
     if storage.is_url(path):  # a key prefix: nothing to create, only old objects to drop
         entries = storage.url_files(path)
         if entries and not any(e.split("/")[0] in _OURS or e.endswith(".distcp") for e in entries):
             return (f"{path!r} exists and is not a checkpoint directory (it holds {entries[:3]}); "
-                    f"save the checkpoint to a new path, e.g. {storage.url_join(path, 'step=N.ckpt')!r}")
-        if entries:
+                    f"save the checkpoint to a new path, e.g. {storage.url_join(path, 'step=N.ckpt')!r}"), None
+        if entries:  # object stores cannot rename: the old objects go before the new ones are written
             remove_checkpoint_path(path)
-        return None
+        return None, None
     # Overwriting (Lightning's save_last=True reuses "last.ckpt"): never write through a link
     # into the checkpoint it points at, and drop stale shards of an earlier save, which may
-    # come from a different world size. A directory that is not a checkpoint is never emptied.
+    # come from a different world size. A directory that is not a checkpoint is never emptied;
+    # a complete one is moved aside until the new save is complete.
+    aside = aside_path(path)
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():
         entries = [p.name for p in path.iterdir()]
         if entries and not any(name in _OURS or name.endswith(".distcp") for name in entries):
             return (f"{str(path)!r} exists and is not a checkpoint directory (it holds {entries[:3]}); "
-                    f"save the checkpoint to a new path, e.g. {str(path / 'step=N.ckpt')!r}")
-        remove_checkpoint_path(path)
+                    f"save the checkpoint to a new path, e.g. {str(path / 'step=N.ckpt')!r}"), None
+        if (path / MANIFEST_NAME).is_file():
+            remove_checkpoint_path(aside)
+            os.replace(path, aside)
+        else:
+            remove_checkpoint_path(path)  # incomplete; an aside copy left by a crash stays the complete one
     path.mkdir(parents=True)
-    return None
+    return None, (aside if (aside / MANIFEST_NAME).is_file() else None)
 
 
 @dataclass
 class _InFlight:
     path: Path | str
     future: Future
+    aside: Path | None = None
 
 
 @dataclass
@@ -173,6 +212,7 @@ class CheckpointWriter:
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
     _in_flight: _InFlight | None = field(default=None, repr=False)
     _deferred_removals: list[Path] = field(default_factory=list, repr=False)
+    _hold_removals: bool = field(default=False, repr=False)
     _stager: Any = field(default=None, repr=False)
     timings: list[SaveTiming] = field(default_factory=list, repr=False)
     """Every save's blocking and total time on this rank, oldest first (the cost in the
@@ -191,9 +231,10 @@ class CheckpointWriter:
 
     def save(self, path: str | os.PathLike, state: dict[str, Any], meta: dict[str, Any] | None = None,
              *, global_step: int | None = None, epoch: int | None = None,
-             extra: dict[str, Any] | None = None) -> None:
-        """Write ``state`` (DCP: tensors and DTensors, sharded) and ``meta`` (rank 0, torch.save)."""
-        rng_state = rng.capture_rng_state()  # first: nothing below may shift the streams first
+             extra: dict[str, Any] | None = None, rng_state: dict[str, Any] | None = None) -> None:
+        """Write ``state`` (DCP: tensors and DTensors, sharded) and ``meta`` (rank 0, torch.save).
+        ``rng_state``: the generator states to store (``rng.capture_rng_state`` form); default now."""
+        rng_state = rng_state or rng.capture_rng_state()  # first: nothing below may shift the streams first
         start = time.perf_counter()
         # One save in flight at most, and it must be finished before this thread issues any
         # collective: its background write and finalisation run collectives on the same group,
@@ -201,35 +242,78 @@ class CheckpointWriter:
         self.wait()
         comm = self.comm()
         path = storage.location(comm.broadcast(str(path)))  # rank 0's name everywhere (names can hold times)
-        refusal = _prepare_directory(path) if comm.rank == 0 else None
-        if refusal := comm.broadcast(refusal):  # also the barrier: nobody writes before the directory is ready
+        # also the barrier: nobody writes before the directory is ready
+        refusal, error, aside = comm.broadcast(_prepare(path) if comm.rank == 0 else None)
+        if refusal:
             raise ValueError(refusal)
-        if comm.rank == 0 and meta is not None:
-            if storage.is_url(path):
-                with storage.url_open(storage.url_join(path, META_NAME), "wb") as f:
-                    torch.save(meta, f)
+        if error:
+            raise CheckpointSaveError(path, error)
+        try:
+            self._write_local_files(comm, path, meta, rng_state)
+            info = dict(world_size=comm.world_size, global_step=global_step, epoch=epoch,
+                        extra={**(extra or {}), "async_save": self.async_save})
+            timing = SaveTiming(str(path), 0.0)
+            if not self.async_save:
+                with _write_errors(path):
+                    dcp.save(state, checkpoint_id=path, process_group=self.group, storage_writer=_writer_for(path))
+                self._finalize(path, None, info)
             else:
-                torch.save(meta, path / META_NAME)
-        rng.save_rank_rng(path, comm.rank, rng_state)
-        info = dict(world_size=comm.world_size, global_step=global_step, epoch=epoch,
-                    extra={**(extra or {}), "async_save": self.async_save})
-        timing = SaveTiming(str(path), 0.0)
+                upload = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
+                                        async_stager=self._get_stager(), storage_writer=_writer_for(path))
+        except CheckpointSaveError:
+            self._failed(comm, path, aside)
+            raise
         if not self.async_save:
-            with _write_errors(path):
-                dcp.save(state, checkpoint_id=path, process_group=self.group, storage_writer=_writer_for(path))
-            self._finalize(path, None, info)
+            self._completed(comm, aside)
             timing.blocking_s = timing.total_s = time.perf_counter() - start
             self.timings.append(timing)
             return
-        upload = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
-                                async_stager=self._get_stager(), storage_writer=_writer_for(path))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-finalize")
         future = self._executor.submit(self._finalize, path, upload, info, timing, start)
         future.add_done_callback(_log_failure)  # say so now; `wait` re-raises it later
-        self._in_flight = _InFlight(path, future)
+        self._in_flight = _InFlight(path, future, aside)
         timing.blocking_s = time.perf_counter() - start
         self.timings.append(timing)
+
+    @staticmethod
+    def _write_local_files(comm: Comm, path: Path | str, meta: dict[str, Any] | None,
+                           rng_state: dict[str, Any]) -> None:
+        # meta.pt (rank 0) and each rank's RNG file: a rank whose write fails must not leave the
+        # others waiting in DCP's collectives below, so every rank learns every outcome first.
+        error = None
+        try:
+            if comm.rank == 0 and meta is not None:
+                if storage.is_url(path):
+                    with storage.url_open(storage.url_join(path, META_NAME), "wb") as f:
+                        torch.save(meta, f)
+                else:
+                    torch.save(meta, path / META_NAME)
+            rng.save_rank_rng(path, comm.rank, rng_state)
+        except OSError as err:
+            error = f"rank {comm.rank}: {err}"
+        errors = [e for e in comm.all_gather(error) if e]
+        if errors:
+            raise CheckpointSaveError(path, "; ".join(errors))
+
+    def _failed(self, comm: Comm, path: Path | str, aside: Path | None) -> None:
+        """After a failed save (every rank): drop the partial directory, put back what it was
+        replacing, and keep retention's deletions until a later save is complete."""
+        self._hold_removals = True
+        if comm.rank != 0:
+            return
+        try:
+            remove_checkpoint_path(path)
+            if aside is not None:
+                os.replace(aside, path)
+        except OSError as err:  # the disk may still be full; discovery skips the partial directory anyway
+            log.warning("cleaning up after the failed save of %s: %s", path, err)
+
+    def _completed(self, comm: Comm, aside: Path | None) -> None:
+        removals, self._deferred_removals, self._hold_removals = self._deferred_removals, [], False
+        if comm.rank == 0:
+            for old in ([aside] if aside is not None else []) + removals:
+                remove_checkpoint_path(old)
 
     def _get_stager(self):
         # On CPU, async_save's own stager (a plain copy, closed after each save) is right. With
@@ -265,8 +349,7 @@ class CheckpointWriter:
                 errors.append(f"rank 0 writing {MANIFEST_NAME}: {err}")
         errors = comm.broadcast(errors)
         if errors:
-            raise RuntimeError(f"checkpoint {str(path)!r} was written but not completed (no "
-                               f"{MANIFEST_NAME}, so resume will skip it): {'; '.join(errors)}")
+            raise CheckpointSaveError(path, f"written but not completed: {'; '.join(errors)}")
         if timing is not None:
             timing.total_s = time.perf_counter() - start
         return manifest
@@ -278,14 +361,10 @@ class CheckpointWriter:
             return None
         try:
             manifest = pending.future.result()
-        except BaseException:
-            # Keep the checkpoints that were due for removal: the one meant to replace them failed.
-            self._deferred_removals.clear()
+        except CheckpointSaveError:
+            self._failed(self.comm(), pending.path, pending.aside)
             raise
-        removals, self._deferred_removals = self._deferred_removals, []
-        if self.comm().rank == 0:
-            for old in removals:
-                remove_checkpoint_path(old)
+        self._completed(self.comm(), pending.aside)
         return manifest
 
     def remove(self, path: str | os.PathLike) -> None:
@@ -299,6 +378,9 @@ class CheckpointWriter:
             else:
                 self._deferred_removals.append(path)
                 return
+        if self._hold_removals:  # the newest save failed: keep what it was meant to replace
+            self._deferred_removals.append(path)
+            return
         if self.comm().rank == 0:
             remove_checkpoint_path(path)
 
@@ -347,8 +429,15 @@ def _write_errors(path: Path):
     try:
         yield
     except CheckpointException as err:
-        raise RuntimeError(f"writing checkpoint {str(path)!r} failed (no {MANIFEST_NAME} written, so "
-                           f"resume will skip it): {err}") from err
+        raise CheckpointSaveError(path, f"writing failed: {_first_failures(err)}") from err
+
+
+def _first_failures(err: BaseException) -> str:
+    failures = getattr(err, "failures", None)  # {rank: exception} from DCP
+    if not failures:
+        return str(err)
+    excs = {r: (e[0] if isinstance(e, tuple) else e) for r, e in failures.items()}  # (exception, stack) pairs
+    return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(excs.items())[:4])
 
 
 def _log_failure(future: Future) -> None:

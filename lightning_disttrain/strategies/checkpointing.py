@@ -18,6 +18,10 @@ How Lightning drives it:
 - RNG: each rank's generators are restored just before the first training batch after resume
   (``on_train_batch_start``), so nothing between loading and training (sanity validation,
   building the data loaders) can shift the streams. Different world sizes: see ``checkpoint.rng``.
+  During ``fit`` the training stream is also kept apart from what runs between steps: the state
+  after each optimizer step is what a checkpoint stores and what the next step starts from, so a
+  validation run (its data loader draws a seed) or a callback that draws random numbers between
+  steps cannot make a run differ from the same run resumed from a checkpoint taken at that step.
 - ``ckpt_path="last"``: Lightning picks ModelCheckpoint's ``last.ckpt``; when that name reaches
   ``load_checkpoint`` it is replaced by the newest checkpoint in its directory that verifies,
   with a warning for each newer one skipped (an interrupted or corrupted save); an info line and
@@ -25,6 +29,11 @@ How Lightning drives it:
 - async: with ``async_save`` the save returns once the state is copied to CPU memory; the manifest
   is written when the background write is done. ``wait_for_checkpoint`` blocks for it; the next
   save and ``teardown`` call it, so a finished ``fit`` never leaves a checkpoint half written.
+- a failed save (disk full, ``CheckpointSaveError`` on every rank together, the previous
+  checkpoints untouched): ``on_save_error="stop"`` (default) raises it, which ends ``fit`` on every
+  rank; ``"warn"`` logs it and training goes on, the next save trying again.
+- ``ckpt_path="auto"`` is resolved by ``PreemptionCheckpoint``; reaching a strategy unresolved it
+  is an error that says so.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_disttrain.checkpoint import rng, storage
 from lightning_disttrain.checkpoint.dcp_io import (
     MODEL_KEY,
+    CheckpointSaveError,
     CheckpointWriter,
     Comm,
     load_meta,
@@ -64,6 +74,9 @@ class DCPCheckpointMixin:
     checkpoint_weights_only: bool = True
     """``torch.load(weights_only=...)`` for ``meta.pt`` when Lightning does not say; set False to
     unpickle arbitrary objects saved in hyper-parameters or callback state (trusted files only)."""
+    on_save_error: str = "stop"
+    """A checkpoint that cannot be written (disk full): ``"stop"`` raises on every rank, ``"warn"``
+    logs and trains on (the next save tries again). Either way the previous checkpoints stay valid."""
 
     # ---- what Lightning asks the strategy -----------------------------------------------------
 
@@ -99,18 +112,27 @@ class DCPCheckpointMixin:
         writer.async_save = bool(getattr(self, "async_save", False))
         # No collective here: the save in flight may still be running its own on the checkpoint
         # group from a background thread. `writer.save` waits for it first, then agrees on the path.
+        self.wait_for_checkpoint()  # a failed save in flight is reported (or raised) as its own
         path = storage.location(filepath)  # a Path, or an fsspec URL kept as it is
         state = {MODEL_KEY: checkpoint["state_dict"]}
         for index, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
             state[optimizer_key(index)] = optim_state
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        writer.save(path, state, meta, global_step=checkpoint.get("global_step"),
-                    epoch=checkpoint.get("epoch"), extra=self._checkpoint_extra())
+        try:
+            writer.save(path, state, meta, global_step=checkpoint.get("global_step"),
+                        epoch=checkpoint.get("epoch"), extra=self._checkpoint_extra(),
+                        rng_state=getattr(self, "_dcp_train_rng", None))
+        except CheckpointSaveError as err:
+            self._save_failed(err)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify, then load weights and optimizer state in place; return the Lightning state."""
+        if str(checkpoint_path) == "auto":
+            raise ValueError("ckpt_path='auto' is resolved by the PreemptionCheckpoint callback: add "
+                             "lightning_disttrain.callbacks.PreemptionCheckpoint to the Trainer's callbacks, or "
+                             "pass ckpt_path='last' (ModelCheckpoint's last.ckpt) or a checkpoint path")
         writer = self._checkpoint_writer()
-        writer.wait()  # never read a directory this process is still writing
+        self.wait_for_checkpoint()  # never read a directory this process is still writing
         comm = writer.comm()
         asked = storage.location(comm.broadcast(str(checkpoint_path)))
         path = self._resolve_checkpoint(asked, comm)
@@ -139,19 +161,36 @@ class DCPCheckpointMixin:
         """Block until the async save in flight (if any) has its manifest; raise if it failed."""
         writer = getattr(self, "_dcp_writer", None)
         if writer is not None:
-            writer.wait()
+            try:
+                writer.wait()
+            except CheckpointSaveError as err:
+                self._save_failed(err)
+
+    def _save_failed(self, err: CheckpointSaveError) -> None:
+        if self.on_save_error != "warn":
+            raise err
+        rank_zero_warn(f"{err}. Training goes on (on_save_error='warn'); the next save tries again.")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         pending = getattr(self, "_dcp_pending_rng", None)
+        train_rng = getattr(self, "_dcp_train_rng", None)
+        self._dcp_pending_rng = self._dcp_train_rng = None
         if pending is not None:
-            self._dcp_pending_rng = None
             rng.apply_rank_rng(*pending)
+        elif train_rng is not None:  # the first batch after an optimizer step: the training stream
+            rng.restore_rng_state(train_rng)
         super().on_train_batch_start(batch, batch_idx)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(*args, **kwargs)
+        self._dcp_train_rng = rng.capture_rng_state()  # what the next step starts from (~0.3 ms)
+        return out
 
     def on_train_start(self) -> None:
         # Lightning has printed its restore message by now: give it back the path it asked for.
         # ModelCheckpoint never deletes trainer.ckpt_path, and the directory a "last" resume
         # resolved to must still leave through retention, not stay behind untracked forever.
+        self._dcp_train_rng = None  # a stream kept from an earlier fit must not override this one's seed
         renamed, self._dcp_renamed_ckpt_path = getattr(self, "_dcp_renamed_ckpt_path", None), None
         connector = getattr(getattr(self.lightning_module, "_trainer", None), "_checkpoint_connector", None)
         if renamed is not None and connector is not None and connector._ckpt_path == renamed[1]:
@@ -162,7 +201,8 @@ class DCPCheckpointMixin:
         writer = getattr(self, "_dcp_writer", None)
         try:
             if writer is not None:
-                writer.close()  # waits for the in-flight save and writes its manifest
+                self.wait_for_checkpoint()  # the in-flight save gets its manifest (or is reported)
+                writer.close()
         finally:
             super().teardown()
 

@@ -48,6 +48,7 @@ class FSDP2Strategy(NDParallelStrategy):
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         cpu_offload: bool = False,
         async_save: bool = False,
+        on_save_error: str = "stop",
         compile: Union[bool, dict[str, Any]] = False,
         empty_init: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -67,7 +68,8 @@ class FSDP2Strategy(NDParallelStrategy):
         self.hsdp = hsdp
         super().__init__(
             reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, cpu_offload=cpu_offload,
-            async_save=async_save, compile=compile, empty_init=empty_init, accelerator=accelerator,
+            async_save=async_save, on_save_error=on_save_error, compile=compile, empty_init=empty_init,
+            accelerator=accelerator,
             parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
             process_group_backend=process_group_backend, timeout=timeout)

@@ -86,6 +86,7 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         cpu_offload: bool = False,
         async_save: bool = False,
+        on_save_error: str = "stop",
         compile: Union[bool, dict[str, Any]] = False,
         empty_init: bool = False,
         sequence_parallel: bool = True,
@@ -124,6 +125,10 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         self.mp_policy = mp_policy
         self.cpu_offload = cpu_offload
         self.async_save = async_save
+        if on_save_error not in ("stop", "warn"):
+            raise ValueError(f"on_save_error={on_save_error!r}: use 'stop' (a failed checkpoint save ends fit on "
+                             f"every rank) or 'warn' (log it and keep training)")
+        self.on_save_error = on_save_error
         self.empty_init = empty_init
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -400,6 +405,9 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
             (``bf16-*``: bf16 compute and all-gather, fp32 gradient reduction; ``32-true``: none).
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
         async_save: checkpoints are written in the background (used by ``DCPCheckpointMixin``).
+        on_save_error: a checkpoint that cannot be written (disk full): ``"stop"`` ends ``fit`` on
+            every rank with the error, ``"warn"`` logs it and trains on. The previous checkpoints
+            stay valid either way.
         compile: ``torch.compile`` each block (True, or a dict of options for ``apply_compile``).
         empty_init: run ``configure_model`` on the meta device and materialise (see
             ``_materialize``). Default False builds real weights, identical to a single-process

@@ -1,9 +1,16 @@
 """Preemption scenarios on 2 gloo ranks, run by tests/callbacks/test_preemption.py.
 
-    python preemption_run.py first  DATA OUT   # a run whose rank 1 alone is SIGTERMed during step 5
-    python preemption_run.py second DATA OUT   # that run resumed with ckpt_path="last"; then the same run
-                                               # uninterrupted from scratch (the reference losses), whose
-                                               # rank 1 is SIGKILLed while writing its step-8 checkpoint
+    python preemption_run.py first  DATA OUT   # val_preempted: rank 0 SIGTERMed during validation;
+                                               # disk_warn / disk_stop: rank 1's disk full during the
+                                               # step-4 save (on_save_error "warn" / "stop"), then
+                                               # auto_resume: ckpt_path="auto" after the stop; last, a
+                                               # run whose rank 1 alone is SIGTERMed during step 5
+    python preemption_run.py second DATA OUT   # that run resumed with ckpt_path="last", val_preempted
+                                               # with ckpt_path="auto"; then the same run uninterrupted
+                                               # from scratch (the reference losses), whose rank 1 is
+                                               # SIGKILLed while writing its step-8 checkpoint
+
+Every run validates (2 batches) after every second step.
 
 The project's own pieces throughout (NDParallelStrategy with async DCP saves, GPTModule with
 dropout, TokenDataModule; tests/checkpoint/scripts/harness.py). Each rank writes
@@ -29,10 +36,13 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent / "checkpoint" / "scripts")]
-from harness import Recorder, build_data, build_module, build_strategy  # noqa: E402
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE.parent / "checkpoint" / "scripts")]
+from disk_full import fill_disk  # noqa: E402
+from harness import DATA_SEED, MICRO_BATCH, SEQ_LEN, Recorder, build_module  # noqa: E402
 
 from lightning_disttrain.callbacks import PreemptionCheckpoint, PreemptionExit  # noqa: E402
+from lightning_disttrain.checkpoint.dcp_io import CheckpointSaveError  # noqa: E402
+from lightning_disttrain.strategies import NDParallelStrategy  # noqa: E402
 
 STEPS = 8
 SIGNAL_AT = 5  # rank 1 is signalled during this (1-based) step
@@ -50,23 +60,47 @@ class SignalSelf(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
-def _fit(out: Path, run: str, data: str, ckpt_dir: Path, callbacks: list, ckpt_path=None) -> dict:
+class SignalInValidation(L.Callback):
+    """Sends ``signum`` to this process on ``rank`` in the validation that follows step ``after``."""
+
+    def __init__(self, rank: int, after: int, signum: int) -> None:
+        self.rank, self.after, self.signum = rank, after, signum
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.after and batch_idx == 0:
+            os.kill(os.getpid(), self.signum)
+
+
+def _data(data: str):  # harness.build_data with a validation set: every run validates every 2 steps
+    from lightning_disttrain.data import TokenDataModule
+
+    return TokenDataModule(source=data, tokenizer="bytes", seq_len=SEQ_LEN, batch_size=MICRO_BATCH,
+                           val_batches=2, val_source=data, seed=DATA_SEED)
+
+
+def _fit(out: Path, run: str, data: str, ckpt_dir: Path, callbacks: list, ckpt_path=None, *, async_save=True,
+         on_save_error="stop", save_top_k=-1) -> dict:
     L.seed_everything(1234, workers=True)
-    rec = Recorder()
-    mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=2, save_top_k=-1)
-    trainer = L.Trainer(strategy=build_strategy(async_save=True), devices=2, accelerator="cpu", max_steps=STEPS,
-                        callbacks=[rec, *callbacks, mc], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, default_root_dir=str(out))
+    rec = Recorder(probe_dir=str(ckpt_dir))
+    mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=2, save_top_k=save_top_k)
+    trainer = L.Trainer(strategy=NDParallelStrategy(async_save=async_save, on_save_error=on_save_error), devices=2,
+                        accelerator="cpu", max_steps=STEPS, callbacks=[rec, *callbacks, mc], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        num_sanity_val_steps=0, val_check_interval=2, default_root_dir=str(out))
     global _RECORDER
     _RECORDER, result = rec, {}
+    start = time.monotonic()
     try:
-        trainer.fit(build_module(total_steps=STEPS), datamodule=build_data(data), ckpt_path=ckpt_path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(build_module(total_steps=STEPS), datamodule=_data(data), ckpt_path=ckpt_path)
+        result["warnings"] = [str(w.message)[:300] for w in caught if "failed" in str(w.message)]
     except PreemptionExit as exc:
         result.update(exit_code=exc.code, path=exc.path, step=exc.step)
         raise
     except BaseException as exc:
-        result.update(error=f"{type(exc).__name__}: {exc}"[:500])
+        result.update(error=f"{type(exc).__name__}: {exc}"[:600], error_type=type(exc).__name__,
+                      error_after_s=time.monotonic() - start)
         raise
     finally:
         _write(out, run, trainer.global_rank, result | _recorded(rec, callbacks))
@@ -78,7 +112,7 @@ _RECORDER: Recorder | None = None
 
 def _recorded(rec: Recorder, callbacks: list) -> dict:
     pre = next((c for c in callbacks if isinstance(c, PreemptionCheckpoint)), None)
-    return {"losses": rec.losses, "start_step": rec.start_step,
+    return {"losses": rec.losses, "start_step": rec.start_step, "probes": rec.probes,
             "agreement_seconds": pre.agreement_seconds if pre else [], "reason": pre.reason if pre else None}
 
 
@@ -89,6 +123,26 @@ def _write(out: Path, run: str, rank: int, data: dict) -> None:
 
 
 def first(data: str, out: Path) -> None:
+    # SIGTERM on rank 0 only, in the validation after step 4: the ranks agree at the end of step 5.
+    try:
+        _fit(out, "val_preempted", data, out / "val_ckpt", [PreemptionCheckpoint(exit_code=EXIT_CODE),
+             SignalInValidation(rank=0, after=4, signum=signal.SIGTERM)])
+    except PreemptionExit:
+        pass  # both ranks; the next runs use the same processes
+    # Rank 1's disk fills up during the step-4 checkpoint; save_top_k=1 would then delete step 2.
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    undo = fill_disk("step=004.ckpt/__", budget=4096) if rank == 1 else (lambda: None)
+    try:
+        _fit(out, "disk_warn", data, out / "warn_ckpt", [PreemptionCheckpoint()], on_save_error="warn",
+             save_top_k=1)
+        try:
+            _fit(out, "disk_stop", data, out / "stop_ckpt", [PreemptionCheckpoint()], async_save=False)
+        except CheckpointSaveError:
+            pass  # raised on both ranks together: recorded in disk_stop.rank*.json
+    finally:
+        undo()
+    # The relaunch after the stop, with the same command a first launch uses.
+    _fit(out, "auto_resume", data, out / "stop_ckpt", [PreemptionCheckpoint()], ckpt_path="auto")
     # SIGTERM on rank 1 only, during step 5; every rank must save step 5 and exit with EXIT_CODE.
     _fit(out, "preempted", data, out / "pre_ckpt",
          [PreemptionCheckpoint(exit_code=EXIT_CODE), SignalSelf(rank=1, at=SIGNAL_AT, signum=signal.SIGTERM)])
@@ -97,6 +151,7 @@ def first(data: str, out: Path) -> None:
 def second(data: str, out: Path) -> None:
     # No ModelCheckpoint(save_last=...): "last" is the link the preemption save left.
     _fit(out, "resumed", data, out / "pre_ckpt", [PreemptionCheckpoint()], ckpt_path="last")
+    _fit(out, "val_resumed", data, out / "val_ckpt", [PreemptionCheckpoint()], ckpt_path="auto")
     _kill_rank1_during_write_of(out, "step=008")
     _fit(out, "reference", data, out / "kill_ckpt", [PreemptionCheckpoint()])
 

@@ -1,10 +1,13 @@
 """PreemptionCheckpoint: signals only set a flag, all ranks agree and save, exit, resume bitwise.
 
 Two launches of 2 gloo ranks (tests/callbacks/preemption_run.py) carry the multi-process cases:
-- "first": a run whose rank 1 alone gets SIGTERM during step 5;
-- "second": that run resumed with ckpt_path="last" (no save_last); then the same run from scratch,
-  uninterrupted (the reference losses) until rank 1 is SIGKILLed while its step-8 checkpoint is
-  being written (async save in flight).
+- "first": a run whose rank 0 gets SIGTERM during validation; two runs whose rank 1's disk fills
+  up during the step-4 save (on_save_error="warn" and "stop"), the stopped one relaunched with
+  ckpt_path="auto"; a run whose rank 1 alone gets SIGTERM during step 5;
+- "second": that run resumed with ckpt_path="last" (no save_last); the validation run resumed with
+  ckpt_path="auto"; then the same run from scratch, uninterrupted
+  (the reference losses) until rank 1 is SIGKILLed while its step-8 checkpoint is being written
+  (async save in flight).
 The rest runs in this process (one device, Lightning's own strategy) or needs no Trainer.
 """
 
@@ -102,6 +105,70 @@ def test_relaunch_with_last_resumes_bitwise_at_the_preemption_step(launches):
     assert "Resuming from" in output and "preempted-step=000005.ckpt" in output
     # The resumed run saved steps 6 and 8 beside it: the newest complete one is what a relaunch takes.
     assert PreemptionCheckpoint.resume_path(launches["out"] / "pre_ckpt").endswith("step=008.ckpt")
+
+
+@pytest.mark.slow
+def test_sigterm_during_validation_saves_at_the_next_step_boundary_and_auto_resumes_bitwise(launches):
+    pre, resumed, ref = (_ranks(launches["out"], run) for run in ("val_preempted", "val_resumed", "reference"))
+    assert [r["exit_code"] for r in pre] == [EXIT_CODE, EXIT_CODE]
+    assert [r["step"] for r in pre] == [5, 5]  # validation after step 4 finished, then step 5, then the save
+    assert pre[0]["reason"] == "received SIGTERM" and pre[1]["reason"] is None
+    assert [r["start_step"] for r in resumed] == [5, 5]  # ckpt_path="auto" found preempted-step=000005
+    for rank in range(2):
+        assert len(ref[rank]["losses"]) == 8
+        assert pre[rank]["losses"] == ref[rank]["losses"][:5]
+        assert resumed[rank]["losses"] == ref[rank]["losses"][5:]
+
+
+@pytest.mark.slow
+def test_disk_full_on_one_rank_with_warn_keeps_training_and_the_previous_checkpoint(launches):
+    ranks = _ranks(launches["out"], "disk_warn")
+    assert all("error" not in r for r in ranks), ranks[0].get("error")
+    assert [len(r["losses"]) for r in ranks] == [8, 8]  # trained to the end
+    assert any("step=004.ckpt" in w and "No space left on device" in w for w in ranks[0]["warnings"])
+    # The failed step-4 save (async) is found when the step-6 save starts; at step 7, with
+    # save_top_k=1, step 2 is still there and complete and step 4 left nothing behind.
+    at7 = next(p for p in ranks[0]["probes"] if p["step"] == 7)["dirs"]
+    assert at7["step=002.ckpt"]["manifest"] and "step=004.ckpt" not in at7, at7
+    ckpt_dir = launches["out"] / "warn_ckpt"
+    # Once step 6 was complete, retention went on as configured: only the newest is kept.
+    assert sorted(c.path.name for c in list_checkpoints(ckpt_dir) if c.path.name != "last.ckpt") == ["step=008.ckpt"]
+    assert verify_checkpoint(ckpt_dir / "step=008.ckpt").global_step == 8
+
+
+@pytest.mark.slow
+def test_disk_full_on_one_rank_with_stop_ends_every_rank_and_auto_resumes_from_the_previous(launches):
+    ranks = _ranks(launches["out"], "disk_stop")
+    assert [r.get("error_type") for r in ranks] == ["CheckpointSaveError"] * 2  # together, no hang
+    assert all("step=004.ckpt" in r["error"] and "No space left on device" in r["error"] for r in ranks)
+    assert [len(r["losses"]) for r in ranks] == [4, 4]
+    ckpt_dir = launches["out"] / "stop_ckpt"
+    # The relaunch (auto_resume) took step 2, the newest complete one, and trained to the end
+    # exactly as an uninterrupted run (the reference, same seed and data) did.
+    auto, ref = _ranks(launches["out"], "auto_resume"), _ranks(launches["out"], "reference")
+    assert [r["start_step"] for r in auto] == [2, 2]
+    for rank in range(2):
+        assert ranks[rank]["losses"] == ref[rank]["losses"][:4]
+        assert auto[rank]["losses"] == ref[rank]["losses"][2:]
+    assert verify_checkpoint(ckpt_dir / "step=008.ckpt").global_step == 8
+
+
+def test_auto_starts_from_scratch_then_resumes_under_lightnings_strategy(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class StartStep(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.step = trainer.global_step
+
+    def fit(max_steps: int) -> int:
+        start = StartStep()
+        callbacks = [PreemptionCheckpoint(), start, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)]
+        _boring_trainer(tmp_path, callbacks, max_steps=max_steps).fit(BoringModel(), ckpt_path="auto")
+        return start.step
+
+    assert fit(2) == 0  # the first launch: nothing there yet, from scratch
+    assert fit(3) == 2  # the relaunch, same command: from the newest save (Lightning's checkpoint files)
 
 
 def test_resume_path_of_an_empty_directory_is_none(tmp_path):

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 from ckpt_helpers import Wrapper, dcp_state, save, train_a_bit
+from disk_full import fill_disk
 from torch.distributed.checkpoint import filesystem
 
-from lightning_disttrain.checkpoint import MANIFEST_NAME, CheckpointWriter, load_sharded, verify_checkpoint
-from lightning_disttrain.checkpoint import rng
-from lightning_disttrain.checkpoint.dcp_io import Comm, load_meta
+from lightning_disttrain.checkpoint import MANIFEST_NAME, CheckpointWriter, load_sharded, rng, verify_checkpoint
+from lightning_disttrain.checkpoint.dcp_io import CheckpointSaveError, Comm, _prepare_directory, aside_path, load_meta
+from lightning_disttrain.checkpoint.discovery import find_latest_checkpoint
 
 
 @pytest.fixture
@@ -146,6 +147,51 @@ def test_failed_async_write_raises_and_keeps_older_checkpoints(tmp_path, trained
     assert not (tmp_path / "new.ckpt" / MANIFEST_NAME).exists()
     assert writer.in_flight is None
     writer.close()
+
+
+@pytest.mark.parametrize("where", ["rng_file", "dcp_shard"])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_holds_retention(tmp_path, trained, where):
+    module, opt = trained
+    old = save(tmp_path / "step=1.ckpt", module, opt, step=1)
+    writer = CheckpointWriter()
+    # The disk fills up part-way through this rank's RNG file (written before DCP's collectives)
+    # or through its DCP shard file (inside DCP's write, reported through DCP's own collectives).
+    undo = fill_disk("step=2.ckpt" + ("/__" if where == "dcp_shard" else ""), budget=4096)
+    try:
+        with pytest.raises(CheckpointSaveError, match="No space left on device") as err:
+            save(tmp_path / "step=2.ckpt", module, opt, step=2, writer=writer)
+        writer.remove(old)  # what ModelCheckpoint(save_top_k=1) does next when it is told to go on
+    finally:
+        undo()
+    assert err.value.path == str(tmp_path / "step=2.ckpt")
+    assert verify_checkpoint(old).global_step == 1, "retention must not delete the last good checkpoint"
+    assert not (tmp_path / "step=2.ckpt").exists(), "the partial directory is removed (it holds the disk)"
+    assert find_latest_checkpoint(tmp_path) == old
+    save(tmp_path / "step=3.ckpt", module, opt, step=3, writer=writer)  # space again: the next save works
+    assert not old.exists(), "the deletion held back is done once a newer save is complete"
+    assert verify_checkpoint(tmp_path / "step=3.ckpt").global_step == 3
+
+
+def test_disk_full_while_overwriting_last_in_place_puts_the_old_one_back(tmp_path, trained):
+    module, opt = trained
+    last = save(tmp_path / "last.ckpt", module, opt, step=1)  # ModelCheckpoint(save_last=True) reuses the name
+    undo = fill_disk("last.ckpt", budget=4096)
+    try:
+        with pytest.raises(CheckpointSaveError):
+            save(last, module, opt, step=2)
+    finally:
+        undo()
+    assert verify_checkpoint(last).global_step == 1 and not aside_path(last).exists()
+    save(last, module, opt, step=3)
+    assert verify_checkpoint(last).global_step == 3 and not aside_path(last).exists()
+
+
+def test_a_process_killed_while_overwriting_in_place_leaves_the_old_one_discoverable(tmp_path, trained):
+    module, opt = trained
+    last = save(tmp_path / "last.ckpt", module, opt, step=1)
+    refusal, aside = _prepare_directory(last)  # the start of the overwrite, then nothing: killed
+    assert refusal is None and aside == aside_path(last) and not any(last.iterdir())
+    assert find_latest_checkpoint(tmp_path) == aside and verify_checkpoint(aside).global_step == 1
 
 
 def test_overwrite_drops_stale_files_and_never_writes_through_a_link(tmp_path, trained):
