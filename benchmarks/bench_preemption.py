@@ -12,6 +12,7 @@ relaunch with ``ckpt_path="last"`` to the end and compare the losses after the r
 reference's, bitwise (float.hex). Per trial:
 
 - exit code (143 expected) and the time from the signal to the exit of the whole launch;
+- with ``--validate``, whether the signal landed in a validation (after every third step);
 - the step the signal interrupted (the last batch start before it, on the signalled rank) and the
   step saved: steps lost beyond the boundary = max(0, interrupted - 1 - saved) (goal 0);
 - every checkpoint with a manifest re-verified (sha256 of every file): a checkpoint that reads as
@@ -75,13 +76,19 @@ def _wait_training(out: Path, run: str, proc: subprocess.Popen, timeout: float =
     return None
 
 
-def _step_at(out: Path, run: str, rank: int, when: float) -> int | None:
-    step = None
+def _step_at(out: Path, run: str, rank: int, when: float) -> tuple[int | None, bool]:
+    """The step the signal interrupted on ``rank`` (the last batch start before it), and whether it
+    landed in a validation."""
+    step, in_validation = None, False
     for line in (out / f"{run}.steps{rank}").read_text().splitlines():
-        t, s = line.split()
-        if float(t) <= when:
-            step = int(s)
-    return step
+        t, *rest = line.split()
+        if float(t) > when:
+            break
+        if rest[0] in ("V", "v"):
+            in_validation = rest[0] == "V"
+        else:
+            step, in_validation = int(rest[0]), False
+    return step, in_validation
 
 
 def _corrupted_accepted(ckpt: Path) -> tuple[int, int]:
@@ -122,7 +129,7 @@ def trial(index: int, rng: random.Random, data: Path, root: Path, steps: int, sp
     code = _finish(proc)
     row.update(exit_code=code, exit_s=round(time.time() - sent, 2))
     pre = _ranks(out, "pre")
-    interrupted = _step_at(out, "pre", rank, sent)
+    interrupted, row["in_validation"] = _step_at(out, "pre", rank, sent)
     row["interrupted_step"] = interrupted
     if code == 0:  # the signal came after the last step's boundary: the run had finished
         row.update(saved_step=None, lost_steps=0, resumed_equal=pre[0]["losses"] == ref[0]["losses"])
@@ -155,7 +162,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
+    p.add_argument("--validate", action="store_true", help="validate (2 batches) after every third step, so "
+                   "that signals also land in validation")
     args = p.parse_args()
+    if args.validate:
+        os.environ["BENCH_VALIDATE"] = "1"  # inherited by every launch
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_preemption_"))
     root.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO / "tests" / "checkpoint" / "scripts"))
@@ -195,7 +206,8 @@ def main() -> None:
     print(f"  trials {len(rows)}; preempted {len(preempted)} (exit codes {sorted({r.get('exit_code') for r in rows})}); "
           f"finished before the signal took effect {sum(r.get('exit_code') == 0 for r in rows)}; signal in the "
           f"shutdown after the last step, relaunch had nothing left {sum(bool(r.get('nothing_left')) for r in rows)}")
-    print(f"  steps lost beyond the boundary: total {sum(r.get('lost_steps') or 0 for r in rows)}")
+    print(f"  steps lost beyond the boundary: total {sum(r.get('lost_steps') or 0 for r in rows)}; signals that "
+          f"landed in a validation: {sum(bool(r.get('in_validation')) for r in rows)}")
     print(f"  corrupted checkpoints accepted: {sum(r.get('corrupted_accepted', 0) for r in rows)} "
           f"(of {sum(r.get('complete_ckpts', 0) for r in rows)} complete checkpoints re-verified)")
     print(f"  resumed losses bitwise equal to the reference: {sum(bool(r.get('resumed_equal')) for r in preempted)}"

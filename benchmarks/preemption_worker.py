@@ -6,8 +6,12 @@ The project's pieces (NDParallelStrategy with async DCP saves every 3 steps, GPT
 dropout, TokenDataModule over the indexed shard of tests/checkpoint/scripts/harness.py) and
 ``PreemptionCheckpoint`` with its defaults (SIGTERM, exit code 143). Each rank writes
 ``OUT/RUN.rank<R>.json`` (losses as float.hex, the agreement's time per step) and, while
-training, ``OUT/RUN.pid<R>`` and ``OUT/RUN.steps<R>`` (one "time step" line per batch start), so
-that the bench can signal a rank and tell which step it interrupted.
+training, ``OUT/RUN.pid<R>`` and ``OUT/RUN.steps<R>`` (one "time step" line per batch start;
+"time V step" / "time v step" when a validation starts / ends), so that the bench can signal a
+rank and tell which step (or validation) it interrupted.
+
+Environment: ``BENCH_VALIDATE=1`` validates (2 batches) after every third step;
+``BENCH_ON_SAVE_ERROR=warn`` sets the strategy's ``on_save_error`` (default "stop").
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "checkpoint" / "scripts")]
-from harness import Recorder, build_data, build_module, build_strategy  # noqa: E402
+from harness import DATA_SEED, MICRO_BATCH, SEQ_LEN, Recorder, build_data, build_module  # noqa: E402
 
 from lightning_disttrain.callbacks import PreemptionCheckpoint, PreemptionExit  # noqa: E402
+from lightning_disttrain.data import TokenDataModule  # noqa: E402
+from lightning_disttrain.strategies import NDParallelStrategy  # noqa: E402
 
 
 class StepLog(L.Callback):
@@ -44,6 +50,14 @@ class StepLog(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.file.write(f"{time.time()} {trainer.global_step + 1}\n")  # the step now starting (1-based)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.file is not None:
+            self.file.write(f"{time.time()} V {trainer.global_step}\n")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.file is not None:
+            self.file.write(f"{time.time()} v {trainer.global_step}\n")
 
 
 class AlignedAllReduce(L.Callback):
@@ -70,15 +84,23 @@ def main() -> None:
     probe = [AlignedAllReduce()] if os.environ.get("BENCH_PROBE") else []
     mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=3, save_top_k=2,
                          monitor="step", mode="max")
-    trainer = L.Trainer(strategy=build_strategy(async_save=True), devices=2, accelerator="cpu", max_steps=steps,
+    validate = bool(os.environ.get("BENCH_VALIDATE"))
+    strategy = NDParallelStrategy(async_save=True, on_save_error=os.environ.get("BENCH_ON_SAVE_ERROR", "stop"))
+    trainer = L.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=steps,
                         callbacks=[rec, pre, *probe, StepLog(out, run), mc], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, default_root_dir=str(out))
+                        limit_val_batches=None if validate else 0, val_check_interval=3 if validate else None,
+                        default_root_dir=str(out))
+    datamodule = (TokenDataModule(source=data, tokenizer="bytes", seq_len=SEQ_LEN, batch_size=MICRO_BATCH,
+                                  val_batches=2, val_source=data, seed=DATA_SEED) if validate else build_data(data))
     result: dict = {}
     try:
-        trainer.fit(build_module(total_steps=steps), datamodule=build_data(data), ckpt_path=ckpt_path)
+        trainer.fit(build_module(total_steps=steps), datamodule=datamodule, ckpt_path=ckpt_path)
     except PreemptionExit as exc:
         result.update(exit_code=exc.code, saved_step=exc.step, path=exc.path, exit_time=time.time())
+        raise
+    except Exception as exc:
+        result.update(error=f"{type(exc).__name__}: {exc}"[:800], error_time=time.time())
         raise
     finally:
         result.update(losses=rec.losses, start_step=rec.start_step, agreement_s=pre.agreement_seconds,

@@ -39,6 +39,24 @@ def pytest_collection_finish(session):  # the selected items, after -k / -m dese
             _NEEDED.setdefault(devices, []).extend((module.WORKER, run) for run in runs)
 
 
+def _launch_once(out: Path, devices: int, jobs: list[tuple[str, str]]) -> str | None:
+    """Run the launch; None if it passed, else what failed, and whether a run raised an error of
+    its own (a bug: no retry) or a rank only vanished (killed, or its peers' collectives broke)."""
+    from lightning_disttrain.rank_errors import _PEER_GONE
+
+    try:
+        run_lightning_script(Path(__file__).parent / "multi_worker.py", out, devices,
+                             *(f"{w}:{r}" for w, r in jobs), timeout=300 + 60 * len(jobs))
+        return None
+    except AssertionError as e:
+        records = {p.name: p.read_text() for p in sorted(out.glob("FAILED.*"))}
+        finished = sorted(p.name for p in out.glob("*.rank0.json"))
+        own_error = any(not _PEER_GONE.search(text.strip().splitlines()[-1]) for text in records.values())
+        details = "".join(f"\n--- {name} ---\n{text[-4000:]}" for name, text in records.items())
+        return (("own" if own_error else "vanished") + f"|{e}\n\nruns finished on rank 0: {finished}\n"
+                f"failed runs:{details or ' none recorded (a rank died without a Python error)'}")
+
+
 @pytest.fixture(scope="session")
 def launched(tmp_path_factory):
     done: dict[int, Path] = {}
@@ -47,16 +65,20 @@ def launched(tmp_path_factory):
         jobs = _NEEDED.get(devices, [])
         if devices not in done:
             out = tmp_path_factory.mktemp(f"ranks{devices}")
-            try:
-                run_lightning_script(Path(__file__).parent / "multi_worker.py", out, devices,
-                                     *(f"{w}:{r}" for w, r in jobs), timeout=300 + 60 * len(jobs))
-            except AssertionError as e:
-                first = "".join(f"\n--- {p.name} ---\n{p.read_text()[-4000:]}" for p in sorted(out.glob("FAILED.*")))
-                finished = sorted(p.name for p in out.glob("*.rank0.json"))
-                raise AssertionError(f"{e}\n\nruns finished on rank 0: {finished}\n"
-                                     f"failed runs:{first or ' none recorded'}") from None
+            failure = _launch_once(out, devices, jobs)
+            if failure and failure.startswith("vanished|"):
+                # A rank disappeared without an error of its own (seen once in CI, not reproduced
+                # here): say so loudly and run the launch once more; an error raised by a run
+                # itself, or a second failure, fails the tests.
+                import warnings
+
+                warnings.warn(f"the {devices}-rank launch failed without an error of its own and was run "
+                              f"again:\n{failure[9:][-6000:]}", stacklevel=1)
+                out = tmp_path_factory.mktemp(f"ranks{devices}_again")
+                failure = _launch_once(out, devices, jobs)
+            if failure:
+                raise AssertionError(failure.split("|", 1)[1])
             done[devices] = out
         return {run: read_ranks(done[devices], f"{w}.{run}", devices) for w, run in jobs if w == worker}
 
     return get
-

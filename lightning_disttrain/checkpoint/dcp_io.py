@@ -21,7 +21,9 @@ default group (and because async_save needs a CPU backend even when training use
 
 A save that fails (a full disk, a lost bucket) raises :class:`CheckpointSaveError` on every rank
 together (each local write's outcome is agreed before DCP's collectives start) and leaves the
-previous checkpoints complete: the partial directory is deleted, a complete checkpoint that the
+previous checkpoints complete: the partial directory is emptied (kept, empty, so that a
+``last.ckpt`` link Lightning may point at it still resolves: resume then takes the newest complete
+checkpoint beside it), a complete checkpoint that the
 save was overwriting in place (``save_last=True`` reuses ``last.ckpt``) was moved aside to
 ``<name>.replaced`` and is moved back, and deletions that retention asked for meanwhile wait until
 a later save completes.
@@ -297,7 +299,7 @@ class CheckpointWriter:
             raise CheckpointSaveError(path, "; ".join(errors))
 
     def _failed(self, comm: Comm, path: Path | str, aside: Path | None) -> None:
-        """After a failed save (every rank): drop the partial directory, put back what it was
+        """After a failed save (every rank): empty the partial directory, put back what it was
         replacing, and keep retention's deletions until a later save is complete."""
         self._hold_removals = True
         if comm.rank != 0:
@@ -306,6 +308,8 @@ class CheckpointWriter:
             remove_checkpoint_path(path)
             if aside is not None:
                 os.replace(aside, path)
+            elif not storage.is_url(path):
+                Path(path).mkdir()  # incomplete (no manifest); a link to it keeps resolving
         except OSError as err:  # the disk may still be full; discovery skips the partial directory anyway
             log.warning("cleaning up after the failed save of %s: %s", path, err)
 

@@ -127,9 +127,11 @@ def test_disk_full_on_one_rank_with_warn_keeps_training_and_the_previous_checkpo
     assert [len(r["losses"]) for r in ranks] == [8, 8]  # trained to the end
     assert any("step=004.ckpt" in w and "No space left on device" in w for w in ranks[0]["warnings"])
     # The failed step-4 save (async) is found when the step-6 save starts; at step 7, with
-    # save_top_k=1, step 2 is still there and complete and step 4 left nothing behind.
+    # save_top_k=1, step 2 is still there and complete and step 4's files are gone (an empty
+    # directory stays, for a last.ckpt link that may point at it).
     at7 = next(p for p in ranks[0]["probes"] if p["step"] == 7)["dirs"]
-    assert at7["step=002.ckpt"]["manifest"] and "step=004.ckpt" not in at7, at7
+    assert at7["step=002.ckpt"]["manifest"] and at7["step=004.ckpt"] == {"manifest": False, "metadata": False}, at7
+    assert not (launches["out"] / "warn_ckpt" / "step=004.ckpt").exists()  # retention removed it later
     ckpt_dir = launches["out"] / "warn_ckpt"
     # Once step 6 was complete, retention went on as configured: only the newest is kept.
     assert sorted(c.path.name for c in list_checkpoints(ckpt_dir) if c.path.name != "last.ckpt") == ["step=008.ckpt"]
