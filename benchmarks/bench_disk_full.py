@@ -58,7 +58,9 @@ def main() -> None:
     if _finish(_start(data, ref_dir / "ckpt", ref_dir, "ref", STEPS)) != 0:
         raise SystemExit(f"reference run failed: {ref_dir / 'ref.log'}")
     ref = _ranks(ref_dir, "ref")
-    size = sum(f.stat().st_size for f in (ref_dir / "ckpt" / "step=003.ckpt").rglob("*") if f.is_file())
+    size = sum(f.stat().st_size for f in (ref_dir / "ckpt" / "step=012.ckpt").rglob("*") if f.is_file())
+    if not size:
+        raise SystemExit("the reference left no step=012.ckpt to measure")
     tmpfs_bytes = int(size * 2.5)
     print(f"one checkpoint: {size / 1e6:.2f} MB on disk; tmpfs of {tmpfs_bytes / 1e6:.2f} MB", flush=True)
     for mode in ("stop", "warn"):

@@ -16,6 +16,7 @@ import faulthandler
 import importlib
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def main() -> None:
         # themselves, on every rank).
         os.environ.pop("PL_GLOBAL_SEED", None)
         worker, run = job.split(":")
+        start = time.perf_counter()
         try:
             result = importlib.import_module(worker).fit_run(run, devices)
         except BaseException:
@@ -46,7 +48,11 @@ def main() -> None:
             rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", "0"))
             (Path(out_dir) / f"FAILED.{job.replace(':', '.')}.rank{rank}.txt").write_text(traceback.format_exc())
             raise
-        write_rank_json(out_dir, f"{worker}.{run}", dist.get_rank() if dist.is_initialized() else 0, result)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        write_rank_json(out_dir, f"{worker}.{run}", rank, result)
+        if rank == 0:  # where the launch's time goes (the suite's budget)
+            with open(Path(out_dir) / "TIMES.rank0.txt", "a") as f:
+                f.write(f"{time.perf_counter() - start:8.2f} s  {job}\n")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
     python preemption_run.py first  DATA OUT   # val_preempted: rank 0 SIGTERMed during validation;
                                                # disk_warn / disk_stop: rank 1's disk full during the
                                                # step-4 save (on_save_error "warn" / "stop"), then
-                                               # auto_resume: ckpt_path="auto" after the stop; last, a
+                                               # auto_resume: ckpt_path="auto" after the stop;
+                                               # s3_preempted / s3_resumed: checkpoints in a bucket of
+                                               # the local S3 server at $LDT_TEST_S3_ENDPOINT, rank 0
+                                               # SIGTERMed during step 3, resumed with "auto"; last, a
                                                # run whose rank 1 alone is SIGTERMed during step 5
     python preemption_run.py second DATA OUT   # that run resumed with ckpt_path="last", val_preempted
                                                # with ckpt_path="auto"; then the same run uninterrupted
@@ -39,12 +42,15 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE.parent / "checkpoint" / "scripts")]
 from disk_full import fill_disk  # noqa: E402
 from harness import DATA_SEED, MICRO_BATCH, SEQ_LEN, Recorder, build_module  # noqa: E402
+from s3_server import ENV as S3_ENV  # noqa: E402
+from s3_server import use_endpoint  # noqa: E402
 
 from lightning_disttrain.callbacks import PreemptionCheckpoint, PreemptionExit  # noqa: E402
 from lightning_disttrain.checkpoint.dcp_io import CheckpointSaveError  # noqa: E402
 from lightning_disttrain.strategies import NDParallelStrategy  # noqa: E402
 
 STEPS = 8
+S3_BUCKET = "ldt-preemption"  # created by the test, on the local server
 SIGNAL_AT = 5  # rank 1 is signalled during this (1-based) step
 EXIT_CODE = 42
 
@@ -143,6 +149,15 @@ def first(data: str, out: Path) -> None:
         undo()
     # The relaunch after the stop, with the same command a first launch uses.
     _fit(out, "auto_resume", data, out / "stop_ckpt", [PreemptionCheckpoint()], ckpt_path="auto")
+    # Checkpoints in object storage: preempted, then resumed from the bucket.
+    use_endpoint(os.environ[S3_ENV])
+    url = f"s3://{S3_BUCKET}/run/checkpoints"
+    try:
+        _fit(out, "s3_preempted", data, url, [PreemptionCheckpoint(exit_code=EXIT_CODE),
+                                              SignalSelf(rank=0, at=3, signum=signal.SIGTERM)])
+    except PreemptionExit:
+        pass
+    _fit(out, "s3_resumed", data, url, [PreemptionCheckpoint()], ckpt_path="auto")
     # SIGTERM on rank 1 only, during step 5; every rank must save step 5 and exit with EXIT_CODE.
     _fit(out, "preempted", data, out / "pre_ckpt",
          [PreemptionCheckpoint(exit_code=EXIT_CODE), SignalSelf(rank=1, at=SIGNAL_AT, signum=signal.SIGTERM)])

@@ -3,7 +3,9 @@
 Two launches of 2 gloo ranks (tests/callbacks/preemption_run.py) carry the multi-process cases:
 - "first": a run whose rank 0 gets SIGTERM during validation; two runs whose rank 1's disk fills
   up during the step-4 save (on_save_error="warn" and "stop"), the stopped one relaunched with
-  ckpt_path="auto"; a run whose rank 1 alone gets SIGTERM during step 5;
+  ckpt_path="auto"; a run checkpointing to s3:// on a local S3 server (moto, 127.0.0.1) whose
+  rank 0 gets SIGTERM during step 3, relaunched with "auto"; a run whose rank 1 alone gets SIGTERM
+  during step 5;
 - "second": that run resumed with ckpt_path="last" (no save_last); the validation run resumed with
   ckpt_path="auto"; then the same run from scratch, uninterrupted
   (the reference losses) until rank 1 is SIGKILLed while its step-8 checkpoint is being written
@@ -14,6 +16,7 @@ The rest runs in this process (one device, Lightning's own strategy) or needs no
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -67,7 +70,14 @@ def launches(tmp_path_factory):
 
     write_indexed_shard(root / "data")
     out = root / "out"
-    first = _launch("first", root / "data", out)
+    from s3_server import ENV, local_s3
+
+    with local_s3("ldt-preemption") as endpoint:  # the local S3 server the first launch saves to
+        os.environ[ENV] = endpoint
+        try:
+            first = _launch("first", root / "data", out)
+        finally:
+            del os.environ[ENV]
     # What the first launch left, before the second one adds to the directory.
     pre_listing = sorted(p.name for p in (out / "pre_ckpt").iterdir())
     pre_last = (out / "pre_ckpt" / "last.ckpt").resolve()
@@ -153,6 +163,17 @@ def test_disk_full_on_one_rank_with_stop_ends_every_rank_and_auto_resumes_from_t
         assert ranks[rank]["losses"] == ref[rank]["losses"][:4]
         assert auto[rank]["losses"] == ref[rank]["losses"][2:]
     assert verify_checkpoint(ckpt_dir / "step=008.ckpt").global_step == 8
+
+
+@pytest.mark.slow
+def test_preemption_to_object_storage_and_auto_resume_from_it(launches):
+    pre, resumed, ref = (_ranks(launches["out"], run) for run in ("s3_preempted", "s3_resumed", "reference"))
+    assert [r["exit_code"] for r in pre] == [EXIT_CODE, EXIT_CODE]
+    assert [r["path"] for r in pre] == ["s3://ldt-preemption/run/checkpoints/preempted-step=000003.ckpt"] * 2
+    assert [r["start_step"] for r in resumed] == [3, 3]  # "auto" listed the bucket and took the newest
+    for rank in range(2):
+        assert pre[rank]["losses"] == ref[rank]["losses"][:3]
+        assert resumed[rank]["losses"] == ref[rank]["losses"][3:]
 
 
 def test_auto_starts_from_scratch_then_resumes_under_lightnings_strategy(tmp_path):

@@ -34,26 +34,11 @@ BUCKET = "ldt-test"
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    import fsspec
-    from dist_utils import free_port
-    from moto.server import ThreadedMotoServer
+def s3():
+    from s3_server import local_s3
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    saved = dict(fsspec.config.conf.get("s3", {}))
-    fsspec.config.conf["s3"] = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing",
-                                "client_kwargs": {"region_name": "us-east-1"}}
-    s3fs.S3FileSystem.clear_instance_cache()
-    import boto3
-
-    boto3.client("s3", endpoint_url=f"http://{host}:{port}", aws_access_key_id="testing",
-                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=BUCKET)
-    yield s3fs.S3FileSystem()
-    fsspec.config.conf["s3"] = saved
-    s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
+    with local_s3(BUCKET):
+        yield s3fs.S3FileSystem()
 
 
 @pytest.fixture
