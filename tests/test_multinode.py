@@ -1,0 +1,81 @@
+"""Two "nodes" on this machine (examples/multinode_hsdp.py): HSDP replicating across nodes.
+
+One launch as two torchrun agents (``--nnodes 2 --nproc-per-node 2``, c10d rendezvous on
+127.0.0.1: two machines' worth of commands), 5 steps and a checkpoint; then the same run resumed
+under a SLURM-style environment (the SLURM_* variables srun sets, read by Lightning's
+SLURMEnvironment) to step 6. Each rank prints its node, its mesh coordinate and its shard.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+
+import pytest
+from dist_utils import REPO, _env, free_port, kill_tree, popen
+
+EXAMPLE = REPO / "examples" / "multinode_hsdp.py"
+LINE = re.compile(r"rank (\d) node (\d) env (\w+): mesh (\{[^}]*\}) coordinate (\([\d, ]*\)), (\S+): "
+                  r"local shard \((\d+), (\d+)\) of \((\d+), (\d+)\), step (\d+)")
+
+pytestmark = pytest.mark.slow
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float = 400) -> str:
+    out = ""
+    try:
+        for p in procs:
+            out += p.communicate(timeout=timeout)[0]
+    finally:
+        for p in procs:
+            kill_tree(p)
+    assert all(p.returncode == 0 for p in procs), out[-6000:]
+    return out
+
+
+def _ranks(output: str) -> dict[int, tuple]:
+    """rank -> (node, environment, (replicate, shard) coordinate, local rows, rows, local cols, cols, step)."""
+    ranks = {}
+    for m in LINE.finditer(output):
+        rank, node, env, mesh, coord, _, rows, cols, full_rows, full_cols, step = m.groups()
+        names, coord = list(ast.literal_eval(mesh)), ast.literal_eval(coord)
+        assert {k: v for k, v in ast.literal_eval(mesh).items() if v > 1} == {"dp_replicate": 2, "dp_shard": 2}
+        at = (coord[names.index("dp_replicate")], coord[names.index("dp_shard")])
+        ranks[int(rank)] = (int(node), env, at, int(rows), int(full_rows), int(cols), int(full_cols), int(step))
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    out = tmp_path_factory.mktemp("multinode")
+    port = free_port()
+    args = [str(EXAMPLE), "--nodes", "2", "--devices", "2", "--out", str(out)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    first = _wait([popen([*torchrun, *args, "--max-steps", "5"]) for _ in range(2)])  # two "machines"
+    second = _wait([popen([sys.executable, *args, "--fake-slurm", "--max-steps", "6", "--resume"], env=_env())])
+    return first, second, out
+
+
+def test_torchrun_two_nodes_shard_inside_a_node_and_replicate_across(launches):
+    ranks = _ranks(launches[0])
+    assert sorted(ranks) == [0, 1, 2, 3], launches[0][-4000:]
+    for rank, (node, env, at, rows, full_rows, cols, full_cols, step) in ranks.items():
+        assert env == "TorchElasticEnvironment" and node == rank // 2
+        assert at == (rank // 2, rank % 2)  # replicate = node, shard = local rank
+        assert rows * 2 == full_rows and cols == full_cols  # half of the weight per rank
+        assert step == 5
+    saved = [p for p in (launches[2] / "checkpoints").iterdir() if p.name.endswith("step=5.ckpt")]
+    assert saved and (saved[0] / "manifest.json").is_file()  # one DCP directory, written by all 4 ranks
+
+
+def test_slurm_environment_resumes_the_torchrun_checkpoint(launches):
+    ranks = _ranks(launches[1])
+    assert sorted(ranks) == [0, 1, 2, 3], launches[1][-4000:]
+    for rank, (node, env, at, *_, step) in ranks.items():
+        assert env == "SLURMEnvironment" and node == rank // 2 and at == (rank // 2, rank % 2)
+        assert step == 6
+    # from the torchrun launch's step-5 checkpoint ("last"), not from scratch
+    assert re.search(r"Restored all states from the checkpoint at \S*step=5\.ckpt", launches[1]), launches[1][-4000:]
