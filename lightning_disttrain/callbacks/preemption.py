@@ -190,13 +190,12 @@ class PreemptionCheckpoint(Callback):
         ModelCheckpoint's directory (files for Lightning's own strategies), or None."""
         from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
 
-        dirs = [self.dirpath or self._default_dirpath(trainer)]
-        dirs += [str(cb.dirpath) for cb in trainer.checkpoint_callbacks
-                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-        found = _newest_complete(dict.fromkeys(dirs), files=not isinstance(trainer.strategy, DCPCheckpointMixin))
+        dirs = list(dict.fromkeys([self.dirpath or self._default_dirpath(trainer)] + [
+            str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]))
+        found = _newest_complete(dirs, files=not isinstance(trainer.strategy, DCPCheckpointMixin))
         if trainer.is_global_zero:
             log.warning("ckpt_path='auto': %s", f"resuming from {found}" if found else
-                        f"no complete checkpoint in {', '.join(dict.fromkeys(dirs))}; starting from scratch")
+                        f"no complete checkpoint in {', '.join(dirs)}; starting from scratch")
         return found
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -23,10 +23,9 @@ A save that fails (a full disk, a lost bucket) raises :class:`CheckpointSaveErro
 together (each local write's outcome is agreed before DCP's collectives start) and leaves the
 previous checkpoints complete: the partial directory is emptied (kept, empty, so that a
 ``last.ckpt`` link Lightning may point at it still resolves: resume then takes the newest complete
-checkpoint beside it), a complete checkpoint that the
-save was overwriting in place (``save_last=True`` reuses ``last.ckpt``) was moved aside to
-``<name>.replaced`` and is moved back, and deletions that retention asked for meanwhile wait until
-a later save completes.
+checkpoint beside it); a complete checkpoint that the save was overwriting in place
+(``save_last=True`` reuses ``last.ckpt``) was moved aside to ``<name>.replaced`` and is moved
+back; deletions that retention asked for meanwhile wait until a later save completes.
 """
 
 from __future__ import annotations

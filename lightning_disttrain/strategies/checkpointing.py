@@ -18,8 +18,8 @@ How Lightning drives it:
 - RNG: each rank's generators are restored just before the first training batch after resume
   (``on_train_batch_start``), so nothing between loading and training (sanity validation,
   building the data loaders) can shift the streams. Different world sizes: see ``checkpoint.rng``.
-  A checkpoint saved during ``fit`` stores the state right after its optimizer step, and the next
-  training batch of the running process starts from that same state: whatever drew random numbers
+  A checkpoint saved during ``fit`` stores the state at the save, and the next training batch of
+  the running process starts from that same state: whatever drew random numbers
   between the save and that batch (the validation that often follows a save: its data loader
   draws a seed; a callback) cannot make the run differ from the same run resumed from that
   checkpoint. (A data set that draws from torch's global generator in the main process, as
@@ -121,13 +121,13 @@ class DCPCheckpointMixin:
         for index, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
             state[optimizer_key(index)] = optim_state
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        train_rng = getattr(self, "_dcp_train_rng", None)
+        rng_state = rng.capture_rng_state()
         try:
             writer.save(path, state, meta, global_step=checkpoint.get("global_step"),
-                        epoch=checkpoint.get("epoch"), extra=self._checkpoint_extra(), rng_state=train_rng)
+                        epoch=checkpoint.get("epoch"), extra=self._checkpoint_extra(), rng_state=rng_state)
         except CheckpointSaveError as err:
             self._save_failed(err)
-        self._dcp_rng_of_save = train_rng
+        self._dcp_rng_of_save = rng_state
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify, then load weights and optimizer state in place; return the Lightning state."""
@@ -185,16 +185,11 @@ class DCPCheckpointMixin:
             rng.restore_rng_state(saved)
         super().on_train_batch_start(batch, batch_idx)
 
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().optimizer_step(*args, **kwargs)
-        self._dcp_train_rng = rng.capture_rng_state()  # what a save before the next step stores (~0.15 ms)
-        return out
-
     def on_train_start(self) -> None:
         # Lightning has printed its restore message by now: give it back the path it asked for.
         # ModelCheckpoint never deletes trainer.ckpt_path, and the directory a "last" resume
         # resolved to must still leave through retention, not stay behind untracked forever.
-        self._dcp_train_rng = self._dcp_rng_of_save = None  # kept from an earlier fit: not this one's
+        self._dcp_rng_of_save = None  # from a save before this fit: not this fit's stream
         renamed, self._dcp_renamed_ckpt_path = getattr(self, "_dcp_renamed_ckpt_path", None), None
         connector = getattr(getattr(self.lightning_module, "_trainer", None), "_checkpoint_connector", None)
         if renamed is not None and connector is not None and connector._ckpt_path == renamed[1]:

@@ -141,8 +141,8 @@ def test_disk_full_on_one_rank_with_warn_keeps_training_and_the_previous_checkpo
     # directory stays, for a last.ckpt link that may point at it).
     at7 = next(p for p in ranks[0]["probes"] if p["step"] == 7)["dirs"]
     assert at7["step=002.ckpt"]["manifest"] and at7["step=004.ckpt"] == {"manifest": False, "metadata": False}, at7
-    assert not (launches["out"] / "warn_ckpt" / "step=004.ckpt").exists()  # retention removed it later
     ckpt_dir = launches["out"] / "warn_ckpt"
+    assert not (ckpt_dir / "step=004.ckpt").exists()  # retention removed it later
     # Once step 6 was complete, retention went on as configured: only the newest is kept.
     assert sorted(c.path.name for c in list_checkpoints(ckpt_dir) if c.path.name != "last.ckpt") == ["step=008.ckpt"]
     assert verify_checkpoint(ckpt_dir / "step=008.ckpt").global_step == 8

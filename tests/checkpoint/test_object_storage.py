@@ -16,7 +16,7 @@ from ckpt_helpers import Wrapper, save
 pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
 
-from lightning_disttrain.checkpoint import (  # noqa: E402  # noqa: E402
+from lightning_disttrain.checkpoint import (  # noqa: E402
     MANIFEST_NAME,
     CheckpointVerificationError,
     CheckpointWriter,
