@@ -19,9 +19,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_disttrain import comm
 from lightning_disttrain.checkpoint.cadence import (
     Cadence,
     checkpoint_cadence,
@@ -109,8 +109,6 @@ class CheckpointCadence(Callback):
 
 
 def _max_over_ranks(trainer: pl.Trainer, *values: float) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
+    if not comm.is_distributed() or trainer.world_size == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return comm.all_reduce(torch.tensor(values, dtype=torch.float64), op="max").tolist()

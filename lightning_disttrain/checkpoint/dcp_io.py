@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from lightning_disttrain import comm as collectives
 from lightning_disttrain.checkpoint import rng, storage
 from lightning_disttrain.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -90,22 +91,15 @@ class Comm:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
+        """``obj`` of the group's rank ``src``."""
+        return collectives.broadcast_object(obj, group_src=src, group=self.group) if self.distributed else obj
 
     def all_gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return collectives.all_gather_object(obj, group=self.group) if self.distributed else [obj]
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier(group=self.group)
+            collectives.barrier(group=self.group)
 
 
 def new_checkpoint_group() -> dist.ProcessGroup | None:

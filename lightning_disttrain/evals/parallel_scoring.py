@@ -41,11 +41,9 @@ class DataParallel:
     def all_gather(self, obj: Any) -> list[Any]:
         if self.size == 1:
             return [obj]
-        import torch.distributed as dist
+        from lightning_disttrain import comm
 
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return comm.all_gather_object(obj, group=self.group)
 
     def all_reduce_max(self, value: int) -> int:
         return max(self.all_gather(value))

@@ -29,11 +29,11 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_disttrain import comm
 from lightning_disttrain.models.moe import MoE, GroupedExperts
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -71,10 +71,6 @@ def shard_experts(layers: list[MoE], ep_mesh: DeviceMesh) -> None:
         layer.ep_mesh = ep_mesh
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
 def ep_dispatch(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
                 experts: GroupedExperts, *, mesh: DeviceMesh) -> torch.Tensor:
     """``moe.local_dispatch`` with the experts spread over ``mesh``: same arguments, same result."""
@@ -84,16 +80,16 @@ def ep_dispatch(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, cou
     token = order // weights.size(-1)
     rows = x[token]  # sorted by expert, so by destination rank
     # received[r, e]: rows rank r sends to this rank's local expert e
-    received = _wait(funcol.all_to_all_single(counts, None, None, mesh)).view(ep, local)
+    received = comm.all_to_all_single(counts, None, None, mesh).view(ep, local)
     send_splits = counts.view(ep, local).sum(1).tolist()
     recv_splits = received.sum(1).tolist()
-    got = _wait(funcol.all_to_all_single(rows, recv_splits, send_splits, mesh))
+    got = comm.all_to_all_single(rows, recv_splits, send_splits, mesh)
     # regroup (source rank, expert) -> (expert, source rank) for one grouped GEMM over local experts
     segment = torch.repeat_interleave(torch.arange(ep * local, device=got.device), received.reshape(-1))
     by_expert = torch.argsort((segment % local) * ep + segment // local, stable=True)
     out = experts(got[by_expert], received.sum(0))
     back = torch.empty_like(by_expert)
     back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-    returned = _wait(funcol.all_to_all_single(out[back], send_splits, recv_splits, mesh))
+    returned = comm.all_to_all_single(out[back], send_splits, recv_splits, mesh)
     returned = returned * weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
     return x.new_zeros(x.shape).index_add(0, token, returned)

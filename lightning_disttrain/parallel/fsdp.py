@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_disttrain import comm
 from lightning_disttrain.parallel.plan import ParallelPlan
 
 _PRECISION_DTYPES: dict[str, torch.dtype | None] = {
@@ -244,8 +245,9 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *,
         value = local if inf else local ** norm_type
         for dim, placement in enumerate(group[0].placements):
             if not placement.is_replicate():  # Shard, and FSDP-over-TP's _StridedShard (not is_shard())
-                dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                                group=group[0].device_mesh.get_group(dim))
+                # comm stages the value on the group's device: CPU-offloaded gradients give a
+                # host norm, which NCCL would refuse.
+                comm.all_reduce(value, "max" if inf else "sum", group=group[0].device_mesh.get_group(dim))
         norms.append(value if inf else value ** (1.0 / norm_type))
     if not norms:
         return torch.tensor(0.0)
@@ -254,10 +256,10 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *,
     if pp_mesh is not None and pp_mesh.size() > 1:
         group = pp_mesh.get_group()
         if norm_type == float("inf"):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(total, "max", group=group)
         else:
             total = total ** norm_type
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            comm.all_reduce(total, "sum", group=group)
             total = total ** (1.0 / norm_type)
     return total
 

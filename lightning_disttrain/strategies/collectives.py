@@ -13,16 +13,33 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from typing_extensions import override
 
+from lightning_disttrain import comm
+
+_OP_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+
+
+def _op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> str:
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        name = _OP_NAMES.get(reduce_op.lower())
+    else:
+        name = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
+                getattr(ReduceOp, "AVG", None): "mean"}.get(reduce_op)
+    if name is None:
+        raise ValueError(f"reduce_op={reduce_op!r}: use 'mean', 'sum', 'max' or 'min'")
+    return name
+
 
 class CollectivesMixin:
     """Mixed into ``NDParallelStrategy`` before Lightning's ``ParallelStrategy``; reads
-    ``parallel_dims`` and ``root_device``."""
+    ``parallel_dims`` and ``root_device``. Every collective goes through ``lightning_disttrain.comm``,
+    which puts each tensor on the device its group's backend carries."""
 
     @property
     def dp_process_group(self) -> Optional[dist.ProcessGroup]:
@@ -34,25 +51,25 @@ class CollectivesMixin:
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        comm.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        objs = [obj]
-        dist.broadcast_object_list(objs, src, group=_group.WORLD)
-        return objs[0]
+        return comm.broadcast_object(obj, group_src=src)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group if group is not None else self.dp_process_group,
-                                          reduce_op=reduce_op)
-        return tensor
+        """In place over ``group`` (default: the data-parallel ranks), as Lightning's ``_sync_ddp``:
+        ``"mean"`` sums and divides by the group's size (integers: the quotient, cast back)."""
+        if not isinstance(tensor, torch.Tensor) or not _distributed_is_initialized():
+            return tensor
+        group = group if group is not None else self.dp_process_group
+        name = _op_name(reduce_op)
+        comm.all_reduce(tensor, "sum" if name == "mean" else name, group=group)
+        if name != "mean":
+            return tensor
+        size = comm.world_size(group)
+        if not torch.is_floating_point(tensor):
+            return tensor.copy_(tensor / size)
+        return tensor.div_(size)

@@ -1,0 +1,140 @@
+"""Every collective the package issues, on the device its process group's backend expects.
+
+NCCL (and the other accelerator backends) carry only tensors on the accelerator; gloo carries
+host tensors. gloo lets any tensor through, so a CPU tensor handed to a collective passes every
+CPU test and crashes the first GPU run (a generator state, a norm of CPU-offloaded gradients, a
+flag built on the host). This module is the one place where package code meets
+``torch.distributed``'s collectives, and it makes that mistake impossible by construction: each
+tensor is staged onto ``group_device(group)`` when it lives elsewhere, and the result is copied
+back into the caller's tensor. ``tests/test_comm_seam.py`` fails if code outside this module calls
+a ``torch.distributed`` collective directly.
+
+Object collectives (``broadcast_object``, ``all_gather_object``) are torch's own, which serialise
+onto the right device themselves; they are here so that every collective has one address.
+
+Plain torch, no Lightning: the models layer uses it too (the MoE balancing counts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_HOST_BACKENDS = ("gloo", "mpi", "fake")
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (the same number without a group)."""
+    return group_rank if group is None or not is_distributed() else dist.get_global_rank(group, group_rank)
+
+
+def backend_device(backend: str) -> torch.device:
+    """Where tensors must be for a collective of ``backend``: the host for gloo / MPI, else the
+    current accelerator device (NCCL: ``cuda:<current>``; XCCL, HCCL, ...: their accelerator)."""
+    backend = str(backend).lower()
+    if backend in _HOST_BACKENDS:
+        return torch.device("cpu")
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if accelerator is None:
+        raise RuntimeError(f"process-group backend {backend!r} needs an accelerator, and this process has none")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device ``group``'s collectives carry tensors on (None: the default group)."""
+    return backend_device(dist.get_backend(group))
+
+
+def _staged(tensor: torch.Tensor, group) -> torch.Tensor:
+    device = group_device(group)
+    if tensor.device == device and tensor.is_contiguous():
+        return tensor
+    return tensor.to(device=device, copy=True).contiguous()
+
+
+def _land(tensor: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+    if staged is not tensor:
+        tensor.copy_(staged)
+    return tensor
+
+
+@torch.no_grad()
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In place over ``group`` (``op``: ``"sum"``, ``"max"`` or ``"min"``); returns ``tensor``.
+    A no-op when torch.distributed is not initialised."""
+    if op not in _OPS:
+        raise ValueError(f"op={op!r}: use one of {sorted(_OPS)}")
+    if not is_distributed():
+        return tensor
+    staged = _staged(tensor, group)
+    dist.all_reduce(staged, op=_OPS[op], group=group)
+    return _land(tensor, staged)
+
+
+@torch.no_grad()
+def broadcast(tensor: torch.Tensor, group_src: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In place: every rank of ``group`` gets the tensor of the group's rank ``group_src``."""
+    if not is_distributed():
+        return tensor
+    staged = _staged(tensor, group)
+    dist.broadcast(staged, src=global_rank(group, group_src), group=group)
+    return _land(tensor, staged)
+
+
+def broadcast_object(obj: Any, group_src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """A picklable object from the group's rank ``group_src``, on every rank."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=global_rank(group, group_src), group=group)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj``, in group-rank order."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    if not is_distributed():
+        return
+    device = group_device(group)
+    if device.type == "cuda":  # NCCL's barrier needs the device, or it guesses (and warns)
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+
+
+def all_to_all_single(tensor: torch.Tensor, output_split_sizes: list[int] | None,
+                      input_split_sizes: list[int] | None, group) -> torch.Tensor:
+    """Functional ``all_to_all_single`` (autograd flows through it: its backward is the reverse
+    exchange), waited on. ``group``: a process group or a 1-D ``DeviceMesh``. A tensor that lives
+    elsewhere than the group's device goes there and its result comes back (differentiably)."""
+    import torch.distributed._functional_collectives as funcol
+
+    device = group_device(group.get_group() if hasattr(group, "get_group") else group)
+    staged = tensor if tensor.device == device else tensor.to(device)
+    out = funcol.all_to_all_single(staged, output_split_sizes, input_split_sizes, group)
+    out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return out if out.device == tensor.device else out.to(tensor.device)
