@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_disttrain.models import param_init
 from lightning_disttrain.models.moe import MoE, MoEConfig, active_params, check_gpt_moe_fields, moe_layers
 
 _MLPS = ("gelu", "swiglu", "relu2")
@@ -287,6 +288,8 @@ class Layers(nn.ModuleDict):
 
 
 class GPT(nn.Module):
+    layout_independent_init = True
+    """``init_weights`` draws each weight from a generator of its own (``param_init``): see there."""
     trim_logits: bool = False
     """Whether ``forward`` returns logits over ``config.vocab_size`` only, without the vocabulary
     padding. Off for training: the loss cuts the padding itself, and the untrimmed output is the
@@ -297,6 +300,11 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        with param_init.no_global_draws():  # construction leaves the global RNG as it was: see there
+            self._build(config)
+        self.init_weights()
+
+    def _build(self, config: GPTConfig) -> None:
         V = config.padded_vocab_size
         self.wte = nn.Embedding(V, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
@@ -312,7 +320,6 @@ class GPT(nn.Module):
             cos, sin = rope_tables(config)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -322,10 +329,14 @@ class GPT(nn.Module):
         been materialised with ``to_empty``. GPT-2 init: N(0, 0.02) for weights and embeddings,
         zero biases, unit norms; the projections that write into the residual stream (attention
         ``wo``, MLP ``w2``) get std / sqrt(2·n_layer) so the residual's variance stays O(1) with depth.
-        The result depends only on the RNG state at the call, not on how the model was built.
+        Each parameter is drawn from a generator of its own, seeded by the run's seed and the
+        parameter's name (``models.param_init``): the result does not depend on the global RNG
+        state, on the device type aside, or on the layout (meta build + FSDP / TP / PP / EP
+        materialisation gives, gathered, exactly the weights of an eager one-process build).
         """
         c = self.config
-        if c.tie_embeddings and self.lm_head.weight is not self.wte.weight:
+        if c.tie_embeddings and self.lm_head is not None and self.wte is not None \
+                and self.lm_head.weight is not self.wte.weight:
             # to_empty() on a meta-built model gives each module its own new tensor: tie again.
             self.lm_head.weight = self.wte.weight
         resid_std = c.init_std / math.sqrt(2 * c.n_layer)
@@ -334,13 +345,13 @@ class GPT(nn.Module):
                 continue  # the tied head is the embedding, initialised once as an Embedding
             if isinstance(module, nn.Linear):
                 std = resid_std if name.endswith(("attn.wo", "mlp.w2", "mlp.shared.w2")) else c.init_std
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                param_init.normal_(module.weight, f"{name}.weight", std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, MoE):  # the stacked expert weights and the balancing bias
-                module.init_weights(c.init_std, resid_std)
+                module.init_weights(c.init_std, resid_std, prefix=name)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=c.init_std)
+                param_init.normal_(module.weight, f"{name}.weight", std=c.init_std)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
         if c.pos_emb == "rope":

@@ -33,6 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from lightning_disttrain import comm
+from lightning_disttrain.models import param_init
+
 ACTIVATIONS = ("gelu", "swiglu", "relu2")
 SCORES = ("softmax", "sigmoid")
 
@@ -254,14 +257,17 @@ class MoE(nn.Module):
         self.aux_loss = self.balance_loss = self.z_loss = self.dropped_tokens = None
 
     @torch.no_grad()
-    def init_weights(self, std: float, resid_std: float) -> None:
+    def init_weights(self, std: float, resid_std: float, prefix: str = "") -> None:
         """Expert weights N(0, std), the output projection N(0, resid_std) (it writes into the
         residual stream, like the dense MLP's w2); bias and counts zero. The router and shared
-        experts are ``nn.Linear``s: the GPT's loop initialises them."""
-        nn.init.normal_(self.experts.w1, std=std)
-        nn.init.normal_(self.experts.w2, std=resid_std)
+        experts are ``nn.Linear``s: the GPT's loop initialises them. Each stacked weight is drawn
+        whole from its own generator (``param_init``; ``prefix``: this layer's name in the model),
+        so an expert's values do not depend on which expert-parallel rank holds it."""
+        at = f"{prefix}.experts." if prefix else "experts."
+        param_init.normal_(self.experts.w1, at + "w1", std=std)
+        param_init.normal_(self.experts.w2, at + "w2", std=resid_std)
         if self.experts.w3 is not None:
-            nn.init.normal_(self.experts.w3, std=std)
+            param_init.normal_(self.experts.w3, at + "w3", std=std)
         self.expert_bias.zero_()
         self._pending_load = None
 
@@ -362,8 +368,7 @@ def update_moe_biases(layers: Iterable[MoE], group: dist.ProcessGroup | None = N
         loads.append(pending if pending is not None else torch.zeros_like(layer.expert_bias, dtype=torch.long))
     device = layers[0].expert_bias.device
     total = torch.cat([load.to(device=device, dtype=torch.float32) for load in loads])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total, group=group)
+    comm.all_reduce(total, group=group)
     for layer, load in zip(layers, total.split([len(x) for x in loads])):
         layer.step_load = load
         layer._pending_load = None

@@ -6,15 +6,18 @@ Plain torch, no Lightning. The strategy calls these around the transforms of ``r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from lightning_disttrain import comm
+from lightning_disttrain.models.param_init import param_seed
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -96,17 +99,29 @@ def _reset_every_submodule(module: nn.Module) -> None:
     # A submodule's own init_weights covers its subtree (a Hugging Face model inside a
     # LightningModule); else the module's reset_parameters, or torch.nn's private
     # _reset_parameters for modules that have only that (nn.MultiheadAttention).
+    # Each runs from a generator state seeded by its module's name (param_init.param_seed), so a
+    # pipeline stage holding only some modules gives them the values the whole model would.
     covered: set[int] = set()
-    for sub in module.modules():
+    for name, sub in module.named_modules():
         if id(sub) in covered:
             continue
         for attr in ("init_weights", "reset_parameters", "_reset_parameters"):
             fn = getattr(sub, attr, None)
             if callable(fn) and (attr != "_reset_parameters" or type(sub).__module__.startswith("torch.nn")):
-                fn()
+                with _seeded_by_name(sub, name):
+                    fn()
                 if attr == "init_weights":
                     covered.update(id(m) for m in sub.modules())
                 break
+
+
+@contextlib.contextmanager
+def _seeded_by_name(sub: nn.Module, name: str):
+    devices = {getattr(t, "_local_tensor", t).device for t in itertools.chain(sub.parameters(), sub.buffers())}
+    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.manual_seed(param_seed(f"module/{name}"))
+        yield
 
 
 def init_weights(module: nn.Module) -> None:
@@ -166,29 +181,14 @@ def materialize_(module: nn.Module, device: torch.device | str,
 
 
 @torch.no_grad()
-def broadcast_module_(module: nn.Module, src: int = 0, group=None,
-                      device: torch.device | str | None = None) -> None:
-    """Overwrite every parameter and buffer with rank ``src``'s (before sharding: full tensors).
-
-    ``device``: where the collective needs its tensors (NCCL carries only CUDA tensors, and a
-    module built with real weights in ``__init__`` is still on the host). Each tensor that lives
-    elsewhere is staged there one at a time, so the device never holds more than one extra tensor.
-    """
-    device = torch.device(device) if device is not None else None
+def broadcast_module_(module: nn.Module, group_src: int = 0, group=None) -> None:
+    """Overwrite every parameter and buffer with the group's rank ``group_src``'s (before sharding:
+    full tensors). ``comm.broadcast`` stages each tensor that lives elsewhere than the group's
+    device (NCCL carries only CUDA tensors; a module built in ``__init__`` is on the host) one at
+    a time, so the device never holds more than one extra tensor."""
     seen: set[int] = set()
     for t in itertools.chain(module.parameters(), module.buffers()):
         if id(t) in seen:
             continue
         seen.add(id(t))
-        data = t.detach()
-        if device is None or data.device == device:
-            dist.broadcast(data, src=src, group=group)
-        else:
-            staged = data.to(device, copy=True)
-            dist.broadcast(staged, src=src, group=group)
-            data.copy_(staged)
-
-
-def collective_device(backend: str, root_device: torch.device) -> torch.device | None:
-    """The device a broadcast on a process group of ``backend`` must use, or None (any: gloo)."""
-    return None if backend == "gloo" else root_device
+        comm.broadcast(t.detach(), group_src=group_src, group=group)

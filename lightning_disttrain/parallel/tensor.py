@@ -202,24 +202,3 @@ def enable_async_tp(tp_mesh) -> None:
 
     inductor_config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
-
-
-def share_rng_state(tp_mesh) -> None:
-    """Give every rank of a TP group the generator state of its first rank.
-
-    Dropout on activations that are replicated across the TP ranks (the residual stream without
-    sequence parallel) must draw the same mask on each of them, or the copies silently diverge.
-    With sequence parallel the ranks then draw equal masks for their different sequence shards
-    (correlated, not wrong). Collective over the TP group.
-    """
-    import torch.distributed as dist
-
-    group = tp_mesh.get_group()
-    src = dist.get_global_rank(group, 0)
-    state = torch.get_rng_state()
-    dist.broadcast(state, src=src, group=group)
-    torch.set_rng_state(state)
-    if tp_mesh.device_type == "cuda":
-        cuda_state = torch.cuda.get_rng_state().cuda()
-        dist.broadcast(cuda_state, src=src, group=group)
-        torch.cuda.set_rng_state(cuda_state.cpu())

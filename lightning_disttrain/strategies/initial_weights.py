@@ -7,46 +7,63 @@ Reads ``root_device``, ``cpu_offload``, ``world_size``, ``parallel_dims`` and ``
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_disttrain.models.param_init import init_settings
 from lightning_disttrain.parallel.fsdp import offload_safe_to_device
-from lightning_disttrain.parallel.materialize import broadcast_module_, collective_device, materialize_
+from lightning_disttrain.parallel.materialize import broadcast_module_, materialize_
+from lightning_disttrain.parallel.rng import agreed_seed
+
+
+def layout_independent_init(module: nn.Module) -> bool:
+    """Whether ``module`` initialises every weight through ``models.param_init`` (a generator per
+    parameter name: the values do not depend on the layout, the order of draws or the ranks)."""
+    return bool(getattr(module, "layout_independent_init", False))
 
 
 class InitialWeightsMixin:
     """Mixed into ``NDParallelStrategy`` before Lightning's ``ParallelStrategy``."""
+
+    _init_seed: int | None = None
+
+    def _agreed_init_seed(self) -> int:
+        """Rank 0's seed on every rank (collective on first use): what initialisation derives from."""
+        if self._init_seed is None:
+            self._init_seed = agreed_seed()
+        return self._init_seed
 
     def _materialize(self, module: nn.Module) -> None:
         """Allocate meta tensors and initialise them (``parallel.materialize.init_weights``: the
         module's ``init_weights()``, else every submodule's initialiser, and a check that none
         was left uninitialised).
 
-        Before sharding (CPU meshes) every rank initialises the full model from the same RNG state,
-        so with a seed the result equals a single-process meta build followed by ``init_weights``;
-        rank 0's weights are broadcast anyway so that replicas agree even without a seed. After
-        sharding (CUDA) each rank initialises its shards through DTensor's distributed RNG; with
-        CPU offload those shards are allocated on the host, where FSDP expects them.
+        Initialisation runs with the seed the ranks agreed on and draws on the root device, where
+        an eager build would have drawn (``models.param_init.init_settings``). A module whose
+        initialisation is layout independent (GPT, GPTModule) is initialised after sharding:
+        each rank draws each full parameter and keeps its shard, so the model equals, gathered,
+        the eager one-process build under every layout. Any other module is materialised whole
+        before sharding (the same weights on every rank of a stage, then rank 0's broadcast so
+        replicas agree even without a seed); with CPU offload its shards then move to the host.
         """
         sharded = any(isinstance(p, DTensor) for p in module.parameters())
         device = torch.device("cpu") if (sharded and self.cpu_offload) else self.root_device
-        materialize_(module, device=device, buffer_device=self.root_device)
-        if not sharded:
+        with init_settings(seed=self._agreed_init_seed(), draw_device=self.root_device):
+            materialize_(module, device=device, buffer_device=self.root_device)
+        if not sharded and not layout_independent_init(module):
             self._sync_initial_weights(module)
 
     def _sync_initial_weights(self, module: nn.Module) -> None:
         # Like DDP: rank 0's initial weights win. Unseeded ranks would otherwise build different
         # models, and HSDP replicas (or TP ranks) would train different weights without noticing.
-        # NCCL carries only device tensors, and a module built in __init__ is still on the host.
+        # comm stages each tensor on the group's device (a module built in __init__ is on the host).
         if not (_distributed_is_initialized() and self.world_size > 1):
             return
         # Over the ranks that hold the same pipeline stage(s): the whole world when pp = 1.
         group = self.parallel_dims.get_mesh("stage").get_group()
-        broadcast_module_(module, src=dist.get_global_rank(group, 0), group=group,
-                          device=collective_device(dist.get_backend(), self.root_device))
+        broadcast_module_(module, group_src=0, group=group)
 
     @override
     def model_to_device(self) -> None:

@@ -57,11 +57,12 @@ from lightning_disttrain.parallel.materialize import dtensor_rng_supported, has_
 from lightning_disttrain.parallel.mesh import ParallelDims
 from lightning_disttrain.parallel.pipeline import PipelineOptions
 from lightning_disttrain.parallel.recipe import EPSettings, FSDPSettings, PipelineSettings, TPSettings, parallelize
-from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_async_tp, share_rng_state
+from lightning_disttrain.parallel.rng import seed_training_streams
+from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_async_tp
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
 from lightning_disttrain.strategies.collectives import CollectivesMixin
-from lightning_disttrain.strategies.initial_weights import InitialWeightsMixin
+from lightning_disttrain.strategies.initial_weights import InitialWeightsMixin, layout_independent_init
 from lightning_disttrain.strategies.pipeline_steps import PipelineStepMixin
 from lightning_disttrain.strategies.steps import StepMixin
 
@@ -286,8 +287,11 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         if not getattr(module, "_disttrain_parallelized", False):  # a later validate/test reuses it
             self._parallelize(module)
             module._disttrain_parallelized = True
-        if self.parallel_dims.tp_enabled:
-            share_rng_state(self.parallel_dims.get_mesh("tp"))  # one dropout stream per TP group
+            # Dropout: independent across data-parallel ranks and pipeline stages, one stream per
+            # TP group (parallel/rng.py). A resumed run restores the saved streams after this.
+            dims = self.parallel_dims
+            seed_training_streams(self._agreed_init_seed(), dims.dp_rank,
+                                  dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             # Fresh optimizers over the sharded parameters (also after a previous stage's setup).
@@ -327,9 +331,12 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
             summary = self._split_pipeline(module)
             pipeline = PipelineSettings(stages=self.pipeline_stage_modules, summary=summary)
         on_meta = has_meta_tensors(module)
-        # DTensor's RNG can initialise a sharded tensor as the shard of one full random tensor only
-        # on CUDA-like meshes; elsewhere the model is materialised whole first, then sharded.
-        sharded_init = on_meta and (self_sharded or dtensor_rng_supported(self.device_mesh))
+        # A layout-independent initialisation (GPT: a generator per parameter name) runs after
+        # sharding, each rank drawing only what it keeps. Any other module's initialisers run on
+        # DTensor shards only where DTensor's RNG makes a shard the slice of one full random
+        # tensor (CUDA-like meshes); elsewhere the model is materialised whole first, then sharded.
+        sharded_init = on_meta and (self_sharded or layout_independent_init(module)
+                                    or dtensor_rng_supported(self.device_mesh))
         if on_meta and not sharded_init:
             self._materialize(module)
         elif not on_meta and not self_sharded:

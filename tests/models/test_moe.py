@@ -148,7 +148,7 @@ def _skewed_moe(speed):
     u = torch.randn(D)
     with torch.no_grad():
         moe.router.weight.mul_(0.5)
-        moe.router.weight[0] += 2 * u / u.norm()
+        moe.router.weight[0] += 3 * u / u.norm()
     x = torch.randn(8, 16, D) * 0.5 + u / u.norm()
     return moe, x
 

@@ -9,7 +9,6 @@ import torch.nn as nn
 
 from lightning_disttrain.parallel.fsdp import offload_safe_to_device
 from lightning_disttrain.parallel.materialize import (
-    collective_device,
     init_weights,
     materialize_,
     retie_parameters,
@@ -141,10 +140,17 @@ def test_the_strategy_does_not_move_offloaded_parameters_to_the_gpu():
     assert all(p.device.type == "cpu" for p in strategy.model.parameters())
 
 
-def test_initial_broadcast_stages_host_tensors_on_the_device_for_nccl():
-    # NCCL carries only device tensors; a module built in __init__ is still on the host.
-    assert collective_device("nccl", CUDA) == CUDA
-    assert collective_device("gloo", torch.device("cpu")) is None
+def test_generic_modules_are_initialised_by_name_not_by_draw_order():
+    # A pipeline stage that keeps only block "b" must give it the values the whole model gives it
+    # (one global stream gave it the values of block "a": the first draws of the stream).
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        whole = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+        part = nn.ModuleDict({"b": nn.Linear(4, 4)})
+    materialize_(whole, "cpu")
+    materialize_(part, "cpu")
+    assert torch.equal(part["b"].weight, whole["b"].weight) and torch.equal(part["b"].bias, whole["b"].bias)
+    assert not torch.equal(whole["a"].weight, whole["b"].weight)
 
 
 def test_init_weights_without_meta_is_a_plain_reinitialisation():
