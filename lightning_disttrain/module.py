@@ -75,6 +75,11 @@ class GPTModule(L.LightningModule):
             run needs no Hugging Face files: ``load_from_checkpoint(path, init_from=None)``.
     """
 
+    layout_independent_init = True
+    """``init_weights`` draws each weight from a generator of its own (``models.param_init``), so
+    strategies may initialise it after sharding and get the one-process weights under any layout."""
+
+
     def __init__(
         self,
         config: str | GPTConfig = "tiny",
@@ -231,15 +236,18 @@ class GPTModule(L.LightningModule):
     def _moe_aux_loss(self) -> torch.Tensor | float:
         """The MoE blocks' weighted auxiliary losses of the last forward (0 when all are off);
         logs each layer's unweighted losses and, with a capacity, its dropped assignments."""
-        for i, layer in moe_layers(self.model).items():
-            for name in ("balance_loss", "z_loss", "dropped_tokens"):
-                if getattr(layer, name) is not None:
-                    self.log(f"moe/layer{i}/{name}", getattr(layer, name).float(), on_step=True, on_epoch=False)
+        self._log_moe_layers()
         aux = self.model.moe_aux_loss
         if aux is None:
             return 0.0
         self.log("train/moe_aux_loss", aux.detach(), on_step=True, on_epoch=False)
         return aux
+
+    def _log_moe_layers(self) -> None:
+        for i, layer in moe_layers(self.model).items():
+            for name in ("balance_loss", "z_loss", "dropped_tokens"):
+                if getattr(layer, name) is not None:
+                    self.log(f"moe/layer{i}/{name}", getattr(layer, name).float(), on_step=True, on_epoch=False)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
@@ -263,8 +271,26 @@ class GPTModule(L.LightningModule):
     def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, targets)
 
-    def pipeline_training_step(self, batch, batch_idx: int, loss: torch.Tensor) -> torch.Tensor:
-        return self._log_train(loss, batch[0])
+    def pipeline_aux_loss(self, stage: torch.nn.Module) -> torch.Tensor | None:
+        """The weighted MoE auxiliary losses of ``stage``'s (a part of ``self.model``) last forward:
+        the strategy adds their gradient to that stage's backward, as ``training_step`` adds them
+        to the loss."""
+        return getattr(stage, "moe_aux_loss", None) if self.config.moe_num_experts else None
+
+    def pipeline_training_step(self, batch, batch_idx: int, loss: torch.Tensor,
+                               aux_loss: torch.Tensor | None = None) -> torch.Tensor:
+        """``loss``: the mean loss of the batch; ``aux_loss``: the MoE auxiliary losses summed over
+        the stages (each stage's mean over the micro-batches). Logs and returns what
+        ``training_step`` does. The per-layer MoE numbers are this rank's layers' (of the step's
+        last micro-batch): each rank logs the stages it holds."""
+        loss = self._log_train(loss, batch[0])
+        if not self.config.moe_num_experts:
+            return loss
+        self._log_moe_layers()
+        if aux_loss is None or not (self.config.moe_aux_loss_coef > 0 or self.config.moe_z_loss_coef > 0):
+            return loss
+        self.log("train/moe_aux_loss", aux_loss.detach(), on_step=True, on_epoch=False)
+        return loss + aux_loss
 
     def pipeline_validation_step(self, batch, batch_idx: int, loss: torch.Tensor) -> None:
         self._log_eval(loss, batch[0], "val", self.val_loss, self.val_ppl)

@@ -242,14 +242,106 @@ def split_model(plan: PipelinePlan, blocks: nn.Module, ranges: list[range], loca
     return [_view(model, name, [keys[i] for i in ranges[s]], s == 0, s == n_stages - 1, plan) for s in local]
 
 
+class AuxLossGrad(torch.autograd.Function):
+    """Identity on a stage's output whose backward also differentiates ``aux`` (a scalar computed
+    inside the stage, e.g. its MoE layers' balance and z losses) with weight ``weight``: the stage's
+    backward then adds ``weight · d aux / d params`` as if ``weight · aux`` were part of the loss,
+    although only the last stage's output reaches the loss function (Megatron's
+    ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.weight = weight
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux, ctx.weight), None
+
+
+def attach_aux_loss(output: Any, aux: torch.Tensor, weight: float) -> Any:
+    """``output`` (a tensor, or a tuple / list whose first tensor carries it) with ``aux``'s gradient
+    attached: see ``AuxLossGrad``."""
+    if isinstance(output, torch.Tensor):
+        return AuxLossGrad.apply(output, aux, weight)
+    if isinstance(output, (tuple, list)):
+        items = list(output)
+        for i, item in enumerate(items):
+            if isinstance(item, torch.Tensor) and item.is_floating_point():
+                items[i] = AuxLossGrad.apply(item, aux, weight)
+                return type(output)(items)
+    raise TypeError(f"a pipeline stage with an auxiliary loss must return a floating-point tensor (or a tuple "
+                    f"holding one) to carry its gradient, not {type(output).__name__}")
+
+
+_STAGE_CLASS: type | None = None
+
+
+def _stage_class() -> type:
+    """``PipelineStage`` with the runner's two additions (see ``PipelineRunner``): micro-batch
+    forwards attach the stage's auxiliary loss, and the gradient reduction at the end of a
+    schedule step follows ``runner.sync_gradients``."""
+    global _STAGE_CLASS
+    if _STAGE_CLASS is not None:
+        return _STAGE_CLASS
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    class RunnerStage(PipelineStage):
+        runner: PipelineRunner
+
+        def forward_maybe_with_nosync(self, *args, **kwargs):
+            # One micro-batch's forward (the schedule's shape probing calls the module directly).
+            self.runner._microbatch_forward_starts()
+            return self.runner._after_microbatch(self.submod, super().forward_maybe_with_nosync(*args, **kwargs))
+
+        def perform_reduce_grad(self, grad_scale_factor: int):
+            # torch's version turns FSDP's gradient sync on and reduce-scatters the step's
+            # gradients at the end of every schedule step; with gradient accumulation only the
+            # window's last step may. Otherwise: the same post-backward with sync off, so each unit
+            # adds its unsharded gradient to the ones it holds and reshards, without communicating.
+            if self.runner.sync_gradients or not isinstance(self.submod, FSDPModule):
+                return super().perform_reduce_grad(grad_scale_factor)
+            module = self.submod
+            module.set_is_last_backward(True)
+            module.set_reshard_after_backward(True)
+            module.set_requires_gradient_sync(False)
+            state = fully_shard.state(module)
+            for each in state._state_ctx.all_states:
+                for group in each._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+            if grad_scale_factor != 1:
+                self.scale_grads(grad_scale_factor)
+
+    _STAGE_CLASS = RunnerStage
+    return RunnerStage
+
+
 class PipelineRunner:
     """This rank's stages and the schedules that run them.
 
     Each (training or evaluation, micro-batch shape) gets its own ``PipelineStage`` objects and
     schedule, built at first use: the stages infer the shapes they send from their first
-    micro-batch (under a forked RNG), and evaluation must not re-infer the training stages'.
+    micro-batch (torch runs a probing forward and backward under a forked RNG), and evaluation
+    must not re-infer the training stages' shapes.
     Losses come from ``loss_fn(output, target)`` on the last stage; gradients are not rescaled by
     the schedule (``scale_grads=False``): ``loss_fn`` returns what to differentiate.
+
+    Auxiliary losses computed inside the stages (a mixture of experts' balance and z losses): with
+    ``aux_loss`` set, ``aux_loss(stage_module)`` after each training micro-batch's forward gives
+    the stage's auxiliary loss (or None); its gradient, times the ``aux_weight`` of ``run``, joins
+    that stage's backward (``AuxLossGrad``), and ``aux_mean`` is the sum over this rank's stages
+    of their mean over the step's micro-batches. ``state_guard()`` (optional) snapshots state the
+    stages record while training (the MoE loads for the balancing bias) and returns a function
+    that restores it: the runner calls it before each training step and restores at the first
+    micro-batch, so the shape probing's forward and backward leave no trace.
+
+    Gradient accumulation: ``sync_gradients`` False makes the end of a training step keep FSDP's
+    gradients unreduced (accumulated in each unit) instead of reduce-scattering them; set it True
+    for the last step before the optimizer step, which then reduces the window's sum once.
     """
 
     def __init__(self, modules: list[nn.Module], ids: list[int], num_stages: int, options: PipelineOptions,
@@ -263,19 +355,51 @@ class PipelineRunner:
         """Rank in the pipeline group that holds the last stage (the losses)."""
         self._schedules: dict[tuple, Any] = {}
         self._loss_fn: Callable | None = None
+        self.aux_loss: Callable[[nn.Module], torch.Tensor | None] | None = None
+        self.state_guard: Callable[[], Callable[[], None]] | None = None
+        self.sync_gradients = True
+        self._aux_weight: float | None = None  # set while a training step runs
+        self._aux_values: list[torch.Tensor] = []
+        self._restore: Callable[[], None] | None = None
 
     def _call_loss(self, output, target):
         assert self._loss_fn is not None
         return self._loss_fn(output, target)
 
+    def _microbatch_forward_starts(self) -> None:
+        if self._restore is not None:  # the first micro-batch: undo what the shape probing recorded
+            restore, self._restore = self._restore, None
+            restore()
+
+    def _after_microbatch(self, module: nn.Module, output: Any) -> Any:
+        if self._aux_weight is None or self.aux_loss is None:
+            return output
+        aux = self.aux_loss(module)
+        if aux is None:
+            return output
+        self._aux_values.append(aux.detach().float())
+        if not aux.requires_grad:
+            return output
+        return attach_aux_loss(output, aux, self._aux_weight)
+
+    @property
+    def aux_mean(self) -> torch.Tensor:
+        """The last training step's auxiliary losses: per local stage the mean over the micro-batches,
+        summed over the stages (a float32 scalar; 0 without any)."""
+        if not self._aux_values:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return torch.stack(self._aux_values).sum() / self.microbatches
+
     def schedule(self, train: bool, microbatch_shape: tuple[int, ...]):
         key = (train, microbatch_shape)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining.schedules import get_schedule_class
 
-            stages = [PipelineStage(m, i, self.num_stages, self.device, group=self.group)
+            stage_class = _stage_class()
+            stages = [stage_class(m, i, self.num_stages, self.device, group=self.group)
                       for m, i in zip(self.modules, self.ids)]
+            for stage in stages:
+                stage.runner = self
             if self.options.schedule in SINGLE_STAGE:
                 cls = get_schedule_class(self.options.schedule)
                 schedule = cls(stages[0], n_microbatches=self.microbatches, loss_fn=self._call_loss,
@@ -320,9 +444,12 @@ class PipelineRunner:
         schedule._prepare_schedule_with_comms(actions, format="compute_only")
         return schedule
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, train: bool) -> None:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, train: bool,
+            aux_weight: float = 1.0) -> None:
         """One batch through the pipeline: forward and backward of every micro-batch (``train``) or
-        forward only. Every rank of the pipeline group calls it with the same batch."""
+        forward only. Every rank of the pipeline group calls it with the same batch. ``aux_weight``:
+        what each micro-batch's auxiliary loss is multiplied by in the backward (as ``loss_fn``
+        scales the loss)."""
         m = self.microbatches
         if inputs.size(0) % m:
             raise ValueError(f"the batch of {inputs.size(0)} samples does not split into pp_microbatches={m}; use a "
@@ -331,8 +458,13 @@ class PipelineRunner:
         schedule = self.schedule(train, (inputs.size(0) // m, *inputs.shape[1:]))
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets} if self.has_last else {}
-        if train:
-            schedule.step(*args, return_outputs=False, **kwargs)
-        else:
-            schedule.eval(*args, return_outputs=False, **kwargs)
-        self._loss_fn = None
+        try:
+            if train:
+                self._aux_values = []
+                self._aux_weight = aux_weight
+                self._restore = self.state_guard() if self.state_guard is not None else None
+                schedule.step(*args, return_outputs=False, **kwargs)
+            else:
+                schedule.eval(*args, return_outputs=False, **kwargs)
+        finally:
+            self._loss_fn = self._aux_weight = self._restore = None

@@ -9,11 +9,27 @@ whole model) nor Lightning's separate ``backward`` can run. Under pp the strateg
    ``module.pipeline_loss(output, target)`` (a mean over the micro-batch), differentiated
    as ``loss / (micro-batches x accumulate_grad_batches)`` so the gradients are those of the
    batch's mean loss, as without pp;
-2. sends the mean of the micro-batch losses from the last stage to every rank of the pipeline;
-3. calls ``module.pipeline_training_step(batch, batch_idx, loss)`` where the module logs what its
-   ``training_step`` would (default: ``train/loss``) and returns the loss;
-4. skips the backward Lightning then asks for (already done), but still runs the
+2. auxiliary losses computed inside the stages (a mixture of experts' balance and z losses), when
+   the module defines ``pipeline_aux_loss(stage_module)`` (the stage's auxiliary loss of its last
+   forward, or None): every stage adds their gradient to its own backward, scaled like the loss
+   (``PipelineRunner``), so the objective is the one of ``training_step`` without pp, which adds
+   them to the loss on one process;
+3. sends the mean of the micro-batch losses from the last stage to every rank of the pipeline, and
+   the auxiliary losses summed over the stages (each stage's mean over the micro-batches), in one
+   all-reduce over the pipeline group;
+4. calls ``module.pipeline_training_step(batch, batch_idx, loss)`` (with ``aux_loss=`` when the
+   module defines ``pipeline_aux_loss``) where the module logs what its ``training_step`` would
+   (default: ``train/loss``) and returns the loss it differentiated (default: ``loss`` plus
+   ``aux_loss``);
+5. skips the backward Lightning then asks for (already done), but still runs the
    ``on_before_backward`` / ``on_after_backward`` hooks (both after the schedule's backward).
+
+Gradient accumulation: a schedule step ends with FSDP's reduce-scatter of the step's gradients;
+inside an accumulation window (Lightning's ``block_backward_sync``) the strategy has the stages
+keep them unreduced instead, so the window's last step reduces their sum once per optimizer step.
+The MoE balancing loads: the schedule's first step probes the stages' shapes with a forward and
+backward of their own, whose routing the strategy discards (``PipelineRunner.state_guard``); the
+bias update then counts exactly the micro-batches' tokens, as without pp.
 
 Gradients: Lightning zeroes them *between* ``training_step`` and ``backward`` (to free them
 before the backward's peak), which under pp would discard what the schedule just computed. So on
@@ -33,10 +49,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from typing_extensions import override
 
+from lightning_disttrain import comm
 from lightning_disttrain.parallel.pipeline import PipelineOptions, PipelineRunner, split_blocks, split_model, stage_ids
 from lightning_disttrain.parallel.plan import find_parallel_plan
 
@@ -104,6 +120,9 @@ class PipelineStepMixin:
         keys = plan.blocks._ldt_all_keys
         self._pipeline = PipelineRunner(modules, local, n_stages, options, dims.pp, pp_mesh.get_group(),
                                         self.root_device)
+        aux_loss = getattr(module, "pipeline_aux_loss", None)
+        self._pipeline.aux_loss = aux_loss if callable(aux_loss) else None
+        self._pipeline.state_guard = _moe_load_guard(modules)
         held = ", ".join(f"stage {s} (blocks {keys[ranges[s][0]]}-{keys[ranges[s][-1]]})" for s in local)
         return (f"pipeline: {options.schedule}, {n_stages} stages of {n_blocks} blocks "
                 f"{[len(r) for r in ranges]}, {self._pipeline.microbatches} micro-batches; this rank: {held}")
@@ -138,13 +157,11 @@ class PipelineStepMixin:
         runner = self._pipeline
         assert runner is not None
         if meta is None:
-            box = [None if value is None else (tuple(value.shape), value.dtype)]
-            dist.broadcast_object_list(box, group_src=runner.last_rank, group=runner.group)
-            meta = box[0]
+            meta = comm.broadcast_object(None if value is None else (tuple(value.shape), value.dtype),
+                                         group_src=runner.last_rank, group=runner.group)
         shape, dtype = meta
         out = value.contiguous() if value is not None else torch.empty(shape, dtype=dtype, device=self.root_device)
-        dist.broadcast(out, group_src=runner.last_rank, group=runner.group)
-        return out
+        return comm.broadcast(out, group_src=runner.last_rank, group=runner.group)
 
     def _pipeline_train(self, batch: Any, batch_idx: int) -> Any:
         module, runner = self.lightning_module, self._pipeline
@@ -162,16 +179,23 @@ class PipelineStepMixin:
             losses.append(loss.detach())
             return loss / scale
 
+        # Inside an accumulation window the step keeps FSDP's gradients unreduced (see the module doc).
+        runner.sync_gradients = not self._gradient_sync_blocked
         with self.precision_plugin.train_step_context(), self._loss_context():
-            runner.run(inputs, targets, loss_fn, train=True)
+            runner.run(inputs, targets, loss_fn, train=True, aux_weight=1.0 / scale)
         # The stages' first step also runs the loss once to infer shapes: the batch's are the last m.
+        # The loss from the last stage and the auxiliary losses of every stage, summed, in one
+        # all-reduce over the pipeline (the other ranks add zeros to the loss).
         mean = torch.stack(losses[-runner.microbatches:]).mean().float() if runner.has_last else None
-        loss = self._from_last_stage(mean, SCALAR)
+        both = torch.stack([torch.zeros((), device=self.root_device) if mean is None else mean.detach(),
+                            runner.aux_mean.to(self.root_device)])
+        loss, aux = comm.all_reduce(both, "sum", group=runner.group).unbind()
         hook = getattr(module, "pipeline_training_step", None)
+        with_aux = runner.aux_loss is not None
         if callable(hook):
-            return hook(batch, batch_idx, loss)
+            return hook(batch, batch_idx, loss, aux_loss=aux) if with_aux else hook(batch, batch_idx, loss)
         module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)
-        return loss
+        return loss + aux if with_aux else loss
 
     def _pipeline_eval(self, inputs: torch.Tensor, targets: torch.Tensor, fn) -> list:
         """Forward-only: ``fn(output, target)`` on the last stage for each micro-batch; the batch is
@@ -285,3 +309,26 @@ class PipelineStepMixin:
                 reshard(stage)
 
     on_test_end = on_predict_end = on_validation_end
+
+
+def _moe_load_guard(stages: list[nn.Module]):
+    """``PipelineRunner.state_guard`` for the mixture-of-experts layers in ``stages``: their
+    per-expert loads counted for the balancing bias (``MoE._pending_load``), saved and restored, so
+    that the schedule's shape probing (a forward and backward of made-up activations) is not
+    counted. None when the stages hold no MoE layer."""
+    from lightning_disttrain.models.moe import MoE
+
+    layers = [m for stage in stages for m in stage.modules() if isinstance(m, MoE)]
+    if not layers:
+        return None
+
+    def snapshot():
+        saved = [(layer, layer._pending_load) for layer in layers]
+
+        def restore() -> None:
+            for layer, load in saved:
+                layer._pending_load = load
+
+        return restore
+
+    return snapshot

@@ -34,18 +34,25 @@ class StepMixin:
     """True when no submodule holds all parameters, so FSDP's root is the LightningModule itself
     and its ``*_step`` methods must be entered through ``__call__`` for FSDP's hooks to run."""
 
+    _gradient_sync_blocked: bool = False
+    """True inside ``block_backward_sync``: a batch of an accumulation window but its last."""
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this for every micro-batch but the last of an accumulation window
         (``_block_parallel_sync_behavior`` in the automatic loop; ``toggle_model`` in manual
         optimization). FSDP then skips the reduce-scatter / all-reduce; the last micro-batch's
-        backward reduces the accumulated sum once."""
+        backward reduces the accumulated sum once. Under pipeline parallel the schedule sets FSDP's
+        sync per micro-batch itself: ``_gradient_sync_blocked`` tells the pipeline step to keep the
+        step's gradients unreduced (``pipeline_steps``)."""
         module = self.lightning_module
         set_gradient_sync(module, False)
+        self._gradient_sync_blocked = True
         try:
             yield None
         finally:
+            self._gradient_sync_blocked = False
             set_gradient_sync(module, True)
 
     @property
