@@ -12,7 +12,9 @@ relaunch with ``ckpt_path="last"`` to the end and compare the losses after the r
 reference's, bitwise (float.hex). Per trial:
 
 - exit code (143 expected) and the time from the signal to the exit of the whole launch;
-- with ``--validate``, whether the signal landed in a validation (after every third step);
+- with ``--validate``, whether the signal landed in a validation (after every third step), and how
+  many validation batches ended after it on the signalled rank (the batch in progress: 1, or 0 when
+  the signal came after the last batch's end);
 - the step the signal interrupted (the last batch start before it, on the signalled rank) and the
   step saved: steps lost beyond the boundary = max(0, interrupted - 1 - saved) (goal 0);
 - every checkpoint with a manifest re-verified (sha256 of every file): a checkpoint that reads as
@@ -76,19 +78,20 @@ def _wait_training(out: Path, run: str, proc: subprocess.Popen, timeout: float =
     return None
 
 
-def _step_at(out: Path, run: str, rank: int, when: float) -> tuple[int | None, bool]:
-    """The step the signal interrupted on ``rank`` (the last batch start before it), and whether it
-    landed in a validation."""
-    step, in_validation = None, False
+def _step_at(out: Path, run: str, rank: int, when: float) -> tuple[int | None, bool, int]:
+    """The step the signal interrupted on ``rank`` (the last batch start before it), whether it
+    landed in a validation, and how many validation batches ended after it."""
+    step, in_validation, val_after = None, False, 0
     for line in (out / f"{run}.steps{rank}").read_text().splitlines():
         t, *rest = line.split()
         if float(t) > when:
-            break
+            val_after += rest[0] == "B"
+            continue
         if rest[0] in ("V", "v"):
             in_validation = rest[0] == "V"
-        else:
+        elif rest[0] != "B":
             step, in_validation = int(rest[0]), False
-    return step, in_validation
+    return step, in_validation, val_after
 
 
 def _corrupted_accepted(ckpt: Path) -> tuple[int, int]:
@@ -129,7 +132,9 @@ def trial(index: int, rng: random.Random, data: Path, root: Path, steps: int, sp
     code = _finish(proc)
     row.update(exit_code=code, exit_s=round(time.time() - sent, 2))
     pre = _ranks(out, "pre")
-    interrupted, row["in_validation"] = _step_at(out, "pre", rank, sent)
+    interrupted, row["in_validation"], val_after = _step_at(out, "pre", rank, sent)
+    if row["in_validation"]:
+        row["val_batches_after_signal"] = val_after
     row["interrupted_step"] = interrupted
     if code == 0:  # the signal came after the last step's boundary: the run had finished
         row.update(saved_step=None, lost_steps=0, resumed_equal=pre[0]["losses"] == ref[0]["losses"])
@@ -156,6 +161,38 @@ def trial(index: int, rng: random.Random, data: Path, root: Path, steps: int, sp
     return row
 
 
+def summarize(rows: list[dict]) -> None:
+    preempted = [r for r in rows if r.get("exit_code") not in (0, None) and not r.get("nothing_left")]
+    saved = [r for r in rows if r.get("saved_step") is not None]  # every rank saved and exited with the code
+    print("\nsummary:")
+    print(f"  trials {len(rows)}; preempted and resumed {len(preempted)} (exit codes "
+          f"{sorted({r.get('exit_code') for r in rows})}); finished before the signal took effect "
+          f"{sum(r.get('exit_code') == 0 for r in rows)}; relaunch had nothing left: "
+          f"{sum(bool(r.get('nothing_left')) and r.get('saved_step') is not None for r in rows)} saved the last step "
+          f"(signal in the last validation), {sum(bool(r.get('nothing_left')) and r.get('saved_step') is None for r in rows)}"
+          f" signal in the shutdown after the last step")
+    print(f"  steps lost beyond the boundary: total {sum(r.get('lost_steps') or 0 for r in rows)}; signals that "
+          f"landed in a validation: {sum(bool(r.get('in_validation')) for r in rows)}")
+    print(f"  corrupted checkpoints accepted: {sum(r.get('corrupted_accepted', 0) for r in rows)} "
+          f"(of {sum(r.get('complete_ckpts', 0) for r in rows)} complete checkpoints re-verified)")
+    print(f"  resumed losses bitwise equal to the reference: {sum(bool(r.get('resumed_equal')) for r in preempted)}"
+          f"/{len(preempted)}")
+    in_val = [r for r in saved if r.get("in_validation")]
+    if in_val:
+        print(f"  signals in a validation that were saved: {len(in_val)}; saved the step the validation followed: "
+              f"{sum(r.get('saved_step') == r.get('interrupted_step') for r in in_val)}; validation batches "
+              f"ended after the signal: {sorted(r.get('val_batches_after_signal') for r in in_val)}")
+    if saved:
+        exits = [r["exit_s"] for r in saved]
+        print(f"  signal to exit (every rank saved and exited with the code, {len(saved)} trials): median "
+              f"{statistics.median(exits):.1f} s, min {min(exits):.1f} s, max {max(exits):.1f} s")
+        for label, group in (("in a validation", [r["exit_s"] for r in in_val]),
+                             ("in training", [r["exit_s"] for r in saved if not r.get("in_validation")])):
+            if group:
+                print(f"    {label}: median {statistics.median(group):.1f} s, min {min(group):.1f} s, "
+                      f"max {max(group):.1f} s ({len(group)})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trials", type=int, default=20)
@@ -164,7 +201,12 @@ def main() -> None:
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--validate", action="store_true", help="validate (2 batches) after every third step, so "
                    "that signals also land in validation")
+    p.add_argument("--summary-of", default=None, metavar="RESULTS_JSON",
+                   help="print the summary of an earlier run's results.json and exit")
     args = p.parse_args()
+    if args.summary_of:
+        summarize(json.loads(Path(args.summary_of).read_text())["rows"])
+        return
     if args.validate:
         os.environ["BENCH_VALIDATE"] = "1"  # inherited by every launch
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_preemption_"))
@@ -201,20 +243,7 @@ def main() -> None:
         row = trial(i, rng, data, root, args.steps, span_s, ref)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    preempted = [r for r in rows if r.get("exit_code") not in (0, None) and not r.get("nothing_left")]
-    print("\nsummary:")
-    print(f"  trials {len(rows)}; preempted {len(preempted)} (exit codes {sorted({r.get('exit_code') for r in rows})}); "
-          f"finished before the signal took effect {sum(r.get('exit_code') == 0 for r in rows)}; signal in the "
-          f"shutdown after the last step, relaunch had nothing left {sum(bool(r.get('nothing_left')) for r in rows)}")
-    print(f"  steps lost beyond the boundary: total {sum(r.get('lost_steps') or 0 for r in rows)}; signals that "
-          f"landed in a validation: {sum(bool(r.get('in_validation')) for r in rows)}")
-    print(f"  corrupted checkpoints accepted: {sum(r.get('corrupted_accepted', 0) for r in rows)} "
-          f"(of {sum(r.get('complete_ckpts', 0) for r in rows)} complete checkpoints re-verified)")
-    print(f"  resumed losses bitwise equal to the reference: {sum(bool(r.get('resumed_equal')) for r in preempted)}"
-          f"/{len(preempted)}")
-    if preempted:
-        exits = [r["exit_s"] for r in preempted]
-        print(f"  signal to exit: median {statistics.median(exits):.1f} s, max {max(exits):.1f} s")
+    summarize(rows)
     (root / "results.json").write_text(json.dumps({"rows": rows, "agreement_s": agreement, "aligned_s": aligned,
                                                    "step_s": step_s}))
     print(f"  rows: {root / 'results.json'}")

@@ -7,8 +7,9 @@ dropout, TokenDataModule over the indexed shard of tests/checkpoint/scripts/harn
 ``PreemptionCheckpoint`` with its defaults (SIGTERM, exit code 143). Each rank writes
 ``OUT/RUN.rank<R>.json`` (losses as float.hex, the agreement's time per step) and, while
 training, ``OUT/RUN.pid<R>`` and ``OUT/RUN.steps<R>`` (one "time step" line per batch start;
-"time V step" / "time v step" when a validation starts / ends), so that the bench can signal a
-rank and tell which step (or validation) it interrupted.
+"time V step" / "time v step" when a validation starts / ends, "time B step" when a validation
+batch ends), so that the bench can signal a rank and tell which step (or validation) it
+interrupted and how many validation batches ran after the signal.
 
 Environment: ``BENCH_VALIDATE=1`` validates (2 batches) after every third step;
 ``BENCH_ON_SAVE_ERROR=warn`` sets the strategy's ``on_save_error`` (default "stop").
@@ -60,6 +61,18 @@ class StepLog(L.Callback):
             self.file.write(f"{time.time()} v {trainer.global_step}\n")
 
 
+class ValidationBatchLog(L.Callback):
+    """StepLog's "time B step" line at each validation batch's end; before PreemptionCheckpoint in
+    the callbacks, so that the batch at whose end the ranks agree to stop is logged too."""
+
+    def __init__(self, step_log: StepLog) -> None:
+        self.step_log = step_log
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.step_log.file is not None:
+            self.step_log.file.write(f"{time.time()} B {trainer.global_step}\n")
+
+
 class AlignedAllReduce(L.Callback):
     """Right after the agreement (ranks aligned by it), the same all_reduce again, timed: the
     collective's own cost, without the wait for the slower rank that the agreement's time includes."""
@@ -85,9 +98,11 @@ def main() -> None:
     mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=3, save_top_k=2,
                          monitor="step", mode="max")
     validate = bool(os.environ.get("BENCH_VALIDATE"))
+    step_log = StepLog(out, run)
     strategy = NDParallelStrategy(async_save=True, on_save_error=os.environ.get("BENCH_ON_SAVE_ERROR", "stop"))
     trainer = L.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=steps,
-                        callbacks=[rec, pre, *probe, StepLog(out, run), mc], logger=False, enable_progress_bar=False,
+                        callbacks=[rec, ValidationBatchLog(step_log), pre, *probe, step_log, mc], logger=False,
+                        enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                         limit_val_batches=None if validate else 0, val_check_interval=3 if validate else None,
                         default_root_dir=str(out))

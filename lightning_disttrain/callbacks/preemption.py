@@ -9,14 +9,36 @@ What happens, in order:
    SIGUSR1 handler (a save inside the handler) is replaced for the same reason.
 2. At a step boundary (``on_train_batch_end`` after an optimizer step, every
    ``check_every_n_steps`` steps) all ranks agree: one ``all_reduce(MAX)`` of a one-element tensor
-   over the default group. The signal may have reached any subset of the ranks.
+   over the default group (``lightning_disttrain.comm``). The signal may have reached any subset of
+   the ranks. During a validation inside ``fit`` (``stop_validation=True``) the ranks also agree
+   after every validation batch, so a signal there stops the validation at the end of the batch in
+   progress instead of waiting for the whole validation and the next training step. Every rank
+   must run the same number of validation batches (as a ``DistributedSampler`` and FSDP's
+   all-gathers in the forward need anyway).
 3. If any rank was told: wait for the async save in flight, save synchronously (manifest last) to
    ``<dirpath>/preempted-step=NNNNNN.ckpt``, point ``<dirpath>/last.ckpt`` at it (unless that name
    is a real checkpoint directory), log one line, requeue the job under SLURM (``scontrol requeue``,
    as Lightning's SLURM integration does) and exit with ``exit_code`` on every rank
    (``PreemptionExit``, a ``SystemExit``). A watchdog ends the process with ``exit_code`` if the
    save has not finished ``grace_period_s`` after the agreement: the partial checkpoint has no
-   manifest, so resume discovery skips it and takes the previous complete one.
+   manifest, so resume discovery skips it and takes the previous complete one. Everything in this
+   exit path runs inside its error handling: whatever fails in it (the async save in flight, the
+   save, the link, the barrier) is logged, ``last.ckpt`` is pointed at the newest complete
+   checkpoint and the rank still exits with ``exit_code``. A save in flight that failed
+   (``CheckpointSaveError``, raised on every rank together) is logged and the preemption save is
+   made anyway.
+
+A save from a validation stores the step the validation followed (the same step as the last
+training batch) and, with the DCP strategies, the random state the next training batch of this
+process would have started from; the relaunch skips the rest of that validation (Lightning treats
+it as finished) and trains on exactly as the uninterrupted run would.
+
+Grace period: schedulers send SIGKILL a fixed time after the signal (Kubernetes
+``terminationGracePeriodSeconds``, 30 s by default; GCP spot 30 s; SLURM ``--signal=USR1@N``: N s
+before the time limit; AWS spot 120 s). ``grace_period_s="auto"`` (the default) takes that window
+from the environment variable ``LDT_PREEMPTION_WINDOW_S`` minus ``SAFETY_MARGIN_S`` (10 s: the step
+or validation batch before the agreement, and the teardown after the save), and without it
+``DEFAULT_GRACE_PERIOD_S`` (20 s: the 30 s of Kubernetes and GCP less that margin).
 
 The handlers are in place from ``on_train_start`` to the end of ``fit``; a signal before that
 (model setup, checkpoint loading) ends the process as it would without the callback, with
@@ -53,9 +75,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_disttrain import comm
 from lightning_disttrain.callbacks.preemption_notices import Notice, NoticePoller
 from lightning_disttrain.checkpoint.storage import check_writable, is_url
 
@@ -63,6 +86,62 @@ log = logging.getLogger(__name__)
 
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2,
            "SIGINT": signal.SIGINT, "SIGHUP": signal.SIGHUP}
+
+WINDOW_ENV = "LDT_PREEMPTION_WINDOW_S"
+"""Seconds the scheduler gives between the preemption signal and SIGKILL (Kubernetes
+``terminationGracePeriodSeconds``, SLURM ``--signal=USR1@N``'s N); read by ``grace_period_s="auto"``."""
+SAFETY_MARGIN_S = 10.0
+"""What ``"auto"`` keeps back from the scheduler's window: reaching the agreement (the rest of a
+step or a validation batch) before the grace period starts, and the teardown after the save."""
+DEFAULT_GRACE_PERIOD_S = 20.0
+"""``"auto"`` without ``LDT_PREEMPTION_WINDOW_S``: Kubernetes' default 30 s window less the margin."""
+
+
+def grace_period_for(window_s: float, margin_s: float = SAFETY_MARGIN_S) -> float:
+    """The save deadline for a scheduler that sends SIGKILL ``window_s`` seconds after the signal:
+    ``window_s - margin_s``. ``PreemptionCheckpoint(grace_period_s=grace_period_for(120))`` for a
+    SLURM job submitted with ``--signal=USR1@120``; or set ``LDT_PREEMPTION_WINDOW_S=120``."""
+    window, margin = _seconds("window_s", window_s), _seconds("margin_s", margin_s, allow_zero=True)
+    if window <= margin:
+        raise ValueError(f"window_s={window_s}: the scheduler's {window:g} s between the signal and SIGKILL leave "
+                         f"nothing after the {margin:g} s safety margin; give the job a longer window (Kubernetes "
+                         f"terminationGracePeriodSeconds, SLURM --signal=USR1@N) or pass grace_period_s=<seconds> "
+                         f"explicitly")
+    return window - margin
+
+
+def _seconds(name: str, value: Any, allow_zero: bool = False) -> float:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}: give a number of seconds, e.g. 20") from None
+    if not (seconds > 0 or (allow_zero and seconds == 0)) or seconds != seconds or seconds == float("inf"):
+        raise ValueError(f"{name}={value!r}: give a positive, finite number of seconds, e.g. 20")
+    return seconds
+
+
+def resolve_grace_period(grace_period_s: float | str) -> float:
+    """``grace_period_s`` as seconds: a number as it is; ``"auto"``: ``LDT_PREEMPTION_WINDOW_S`` less
+    ``SAFETY_MARGIN_S`` when that is set, else ``DEFAULT_GRACE_PERIOD_S``."""
+    if isinstance(grace_period_s, str):
+        if grace_period_s != "auto":
+            raise ValueError(f"grace_period_s={grace_period_s!r}: pass seconds (e.g. 20) or 'auto' (from "
+                             f"${WINDOW_ENV}, the scheduler's seconds between the signal and SIGKILL)")
+        window = os.environ.get(WINDOW_ENV, "").strip()
+        if not window:
+            return DEFAULT_GRACE_PERIOD_S
+        try:
+            return grace_period_for(window)
+        except ValueError as err:
+            raise ValueError(f"{WINDOW_ENV}={window!r} (grace_period_s='auto'): {err}") from None
+    try:
+        return _seconds("grace_period_s", grace_period_s)
+    except ValueError:
+        raise ValueError(f"grace_period_s={grace_period_s!r}: give the save a positive deadline in seconds, well "
+                         f"inside the scheduler's window (Kubernetes and GCP give 30 s between SIGTERM and "
+                         f"SIGKILL: e.g. 20), or 'auto' with ${WINDOW_ENV}") from None
 
 
 class PreemptionExit(SystemExit):
@@ -87,7 +166,14 @@ class PreemptionCheckpoint(Callback):
         poll_interval_s: how often ``notice`` is called.
         check_every_n_steps: agree every k optimizer steps (one all-reduce of 4 bytes each time).
         grace_period_s: the deadline for the save, from the agreement; past it the process exits
-            without a complete checkpoint (the previous one is used on resume).
+            without a complete checkpoint (the previous one is used on resume). ``"auto"``
+            (default): the scheduler's window from ``$LDT_PREEMPTION_WINDOW_S`` (seconds between
+            the signal and SIGKILL) less 10 s, else 20 s (Kubernetes' and GCP's 30 s less 10 s).
+            Seconds: as given (``grace_period_for(window_s)`` computes them from a window).
+        stop_validation: agree after every validation batch during ``fit`` too, so that a signal
+            in a validation stops it at the end of the batch in progress and saves (every rank
+            must run the same number of validation batches). False: agree only at step
+            boundaries (the validation and the next step run first).
         exit_code: the exit status of every rank after the save (143 = 128 + SIGTERM; a non-zero
             status makes torchrun's ``--max-restarts`` and Kubernetes restart the job).
         requeue: under SLURM, ``scontrol requeue`` the job after the save (global rank 0).
@@ -95,15 +181,14 @@ class PreemptionCheckpoint(Callback):
 
     def __init__(self, dirpath: str | os.PathLike | None = None, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
                  notice: Notice | None = None, poll_interval_s: float = 5.0, check_every_n_steps: int = 1,
-                 grace_period_s: float = 120.0, exit_code: int = 143, requeue: bool = True) -> None:
+                 grace_period_s: float | str = "auto", exit_code: int = 143, requeue: bool = True,
+                 stop_validation: bool = True) -> None:
         unknown = [s for s in signals if s not in SIGNALS]
         if unknown:
             raise ValueError(f"signals={list(signals)}: unknown {unknown}; choose from {sorted(SIGNALS)}")
         if check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps={check_every_n_steps}: agree at least every step (1) or every k > 1")
-        if grace_period_s <= 0:
-            raise ValueError(f"grace_period_s={grace_period_s}: give the save a positive deadline, e.g. 90 "
-                             f"(AWS gives 120 s notice, GCP 30 s)")
+        grace_period_s = resolve_grace_period(grace_period_s)
         if not 0 <= exit_code <= 255:
             raise ValueError(f"exit_code={exit_code}: an exit status is 0..255")
         if poll_interval_s <= 0:
@@ -112,7 +197,7 @@ class PreemptionCheckpoint(Callback):
         self.signals = tuple(signals)
         self.notice, self.poll_interval_s = notice, poll_interval_s
         self.check_every_n_steps, self.grace_period_s = check_every_n_steps, grace_period_s
-        self.exit_code, self.requeue = exit_code, requeue
+        self.exit_code, self.requeue, self.stop_validation = exit_code, requeue, stop_validation
         self.reason: str | None = None
         """Why this rank wants to stop (set by a signal handler or the notice thread), else None."""
         self.agreement_seconds: list[float] = []
@@ -120,6 +205,8 @@ class PreemptionCheckpoint(Callback):
         self._previous: dict[int, Any] = {}
         self._checked_step = -1
         self._poller: NoticePoller | None = None
+
+    grace_period_for = staticmethod(grace_period_for)
 
     # ---- the flag ---------------------------------------------------------------------------
 
@@ -227,6 +314,15 @@ class PreemptionCheckpoint(Callback):
         if self._agree(trainer):
             self._save_and_exit(trainer)
 
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Only the validations inside fit (not the sanity check: the handlers are not in place yet,
+        # nothing is trained); every rank is at the same batch index here.
+        if not self.stop_validation or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._agree(trainer):
+            self._save_and_exit(trainer, in_validation=True)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             self._keep_last_link(trainer)
@@ -269,61 +365,104 @@ class PreemptionCheckpoint(Callback):
     # ---- agreement, save, exit --------------------------------------------------------------
 
     def _agree(self, trainer: pl.Trainer) -> bool:
-        if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
+        if not comm.is_distributed() or trainer.world_size == 1:
             return self.reason is not None
         start = time.perf_counter()
         flag = torch.tensor([0 if self.reason is None else 1], dtype=torch.int32, device=trainer.strategy.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        comm.all_reduce(flag, op="max")
         agreed = bool(flag.item())
         self.agreement_seconds.append(time.perf_counter() - start)
         return agreed
 
-    def _save_and_exit(self, trainer: pl.Trainer) -> None:
+    def _save_and_exit(self, trainer: pl.Trainer, in_validation: bool = False) -> None:
         start, step = time.monotonic(), trainer.global_step
         why = f"rank {trainer.global_rank}: {self.reason}" if self.reason else "signalled on another rank"
+        where = " in a validation" if in_validation else ""
         path = _join(self.dirpath, f"preempted-step={step:06d}.ckpt")
         watchdog = _Deadline(self.grace_period_s, self.exit_code, path)
+        failure: BaseException | None = None
+        try:
+            try:
+                self._save(trainer, path, in_validation)
+                if trainer.is_global_zero and not is_url(path):
+                    _point_last_at(Path(path))
+                comm.barrier()
+            except Exception as err:  # whatever fails, every rank still exits with the code
+                failure = err
+                log.error("rank %d: preempted%s (%s) but the checkpoint could not be saved: %s: %s; exiting with "
+                          "code %d, the relaunch resumes from %s", trainer.global_rank, where, why,
+                          type(err).__name__, err, self.exit_code, self._link_newest_complete(trainer))
+            else:
+                seconds = time.monotonic() - start
+                if trainer.is_global_zero:
+                    log.warning("Preempted%s (%s): saved step %d to %s in %.1f s (complete, manifest written); "
+                                "exiting with code %d. Resume with trainer.fit(..., ckpt_path='last').",
+                                where, why, step, path, seconds, self.exit_code)
+                    if self.requeue:
+                        _slurm_requeue()
+                elif self.reason is not None:
+                    log.warning("rank %d: %s; saved with the other ranks, exiting with code %d",
+                                trainer.global_rank, self.reason, self.exit_code)
+        except Exception as err:  # the logging or the requeue: the checkpoint is complete, exit anyway
+            log.error("rank %d: after the preemption save: %s: %s", trainer.global_rank, type(err).__name__, err)
+        finally:
+            watchdog.cancel()
+            _stop_child_observer()
+        if failure is not None:
+            raise PreemptionExit(self.exit_code, None, step) from failure
+        raise PreemptionExit(self.exit_code, path, step)
+
+    def _save(self, trainer: pl.Trainer, path: str, in_validation: bool) -> None:
+        from lightning_disttrain.checkpoint.dcp_io import CheckpointSaveError
+
         strategy = trainer.strategy
         wait = getattr(strategy, "wait_for_checkpoint", None)
         if wait is not None:
-            wait()  # the async save in flight gets its manifest first (or is reported as failed)
+            try:
+                wait()  # the async save in flight gets its manifest first (or is reported as failed)
+            except CheckpointSaveError as err:  # raised on every rank together (dcp_io): they go on together
+                log.error("rank %d: the checkpoint save in flight failed (%s); saving the preemption checkpoint "
+                          "anyway", trainer.global_rank, err)
+        if in_validation:
+            # The DCP strategies start the first training batch after a save from the random state
+            # that save stored (the validation after it draws a seed for its data loader); the
+            # uninterrupted run would have started the next batch from it, so store that state.
+            saved_rng = getattr(strategy, "_dcp_rng_of_save", None)
+            if saved_rng is not None:
+                from lightning_disttrain.checkpoint import rng
+
+                rng.restore_rng_state(saved_rng)  # this process exits after the save
         was_async, on_error = getattr(strategy, "async_save", None), getattr(strategy, "on_save_error", None)
         if was_async:
             strategy.async_save = False  # this one must be complete before we exit
         if on_error is not None:
-            strategy.on_save_error = "stop"  # and a failure must not read as a success below
+            strategy.on_save_error = "stop"  # and a failure must not read as a success
         try:
             trainer.save_checkpoint(path)
             if wait is not None:
                 wait()
-        except Exception as err:  # a save error is raised on every rank together (dcp_io)
-            watchdog.cancel()
-            log.error("rank %d: preempted (%s) but the checkpoint could not be saved: %s; exiting with code %d, "
-                      "the relaunch resumes from the newest complete checkpoint", trainer.global_rank, why, err,
-                      self.exit_code)
-            _stop_child_observer()
-            raise PreemptionExit(self.exit_code, None, step) from err
         finally:
             if was_async:
                 strategy.async_save = was_async
             if on_error is not None:
                 strategy.on_save_error = on_error
-        if trainer.is_global_zero and not is_url(path):
-            _point_last_at(Path(path))
-        strategy.barrier("preemption-checkpoint")
-        watchdog.cancel()
-        seconds = time.monotonic() - start
-        if trainer.is_global_zero:
-            log.warning("Preempted (%s): saved step %d to %s in %.1f s (complete, manifest written); "
-                        "exiting with code %d. Resume with trainer.fit(..., ckpt_path='last').",
-                        why, step, path, seconds, self.exit_code)
-            if self.requeue:
-                _slurm_requeue()
-        elif self.reason is not None:
-            log.warning("rank %d: %s; saved with the other ranks, exiting with code %d",
-                        trainer.global_rank, self.reason, self.exit_code)
-        _stop_child_observer()
-        raise PreemptionExit(self.exit_code, path, step)
+
+    def _link_newest_complete(self, trainer: pl.Trainer) -> str:
+        """Point ``last.ckpt`` at the newest complete checkpoint (no collective: a link on this rank);
+        returns what a relaunch resumes from, in words. Never raises."""
+        try:
+            from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
+
+            dirs = list(dict.fromkeys([d for d in [self.dirpath] if d] + [
+                str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]))
+            found = _newest_complete(dirs, files=not isinstance(trainer.strategy, DCPCheckpointMixin))
+            if found is None:
+                return "scratch (no complete checkpoint)"
+            if not is_url(found):
+                _point_last_at(Path(found))
+            return found
+        except Exception as err:
+            return f"the newest complete checkpoint (finding it failed: {type(err).__name__}: {err})"
 
     # ---- paths ------------------------------------------------------------------------------
 
@@ -380,11 +519,7 @@ def _point_last_at(path: Path) -> None:
 
 
 def _all_gather_objects(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj)
 
 
 def _slurm_requeue() -> None:

@@ -3,6 +3,9 @@
     python preemption_run.py first  DATA OUT   # val_preempted: rank 0 SIGTERMed during validation;
                                                # disk_warn / disk_stop: rank 1's disk full during the
                                                # step-4 save (on_save_error "warn" / "stop"), then
+                                               # inflight_failed: the same async step-4 save fails and
+                                               # rank 0 is SIGTERMed during step 5 (the preemption's
+                                               # wait for the save in flight raises), then
                                                # auto_resume: ckpt_path="auto" after the stop;
                                                # s3_preempted / s3_resumed: checkpoints in a bucket of
                                                # the local S3 server at $LDT_TEST_S3_ENDPOINT, rank 0
@@ -66,6 +69,17 @@ class SignalSelf(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class ValidationBatches(L.Callback):
+    """Records ``[global_step, batch_idx]`` of every validation batch that ends during fit."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking:
+            self.batches.append([trainer.global_step, batch_idx])
+
+
 class SignalInValidation(L.Callback):
     """Sends ``signum`` to this process on ``rank`` in the validation that follows step ``after``."""
 
@@ -87,10 +101,10 @@ def _data(data: str):  # harness.build_data with a validation set: every run val
 def _fit(out: Path, run: str, data: str, ckpt_dir: Path, callbacks: list, ckpt_path=None, *, async_save=True,
          on_save_error="stop", save_top_k=-1) -> dict:
     L.seed_everything(1234, workers=True)
-    rec = Recorder(probe_dir=str(ckpt_dir))
+    rec, val = Recorder(probe_dir=str(ckpt_dir)), ValidationBatches()
     mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=2, save_top_k=save_top_k)
     trainer = L.Trainer(strategy=NDParallelStrategy(async_save=async_save, on_save_error=on_save_error), devices=2,
-                        accelerator="cpu", max_steps=STEPS, callbacks=[rec, *callbacks, mc], logger=False,
+                        accelerator="cpu", max_steps=STEPS, callbacks=[rec, val, *callbacks, mc], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         num_sanity_val_steps=0, val_check_interval=2, default_root_dir=str(out))
     global _RECORDER
@@ -109,7 +123,7 @@ def _fit(out: Path, run: str, data: str, ckpt_dir: Path, callbacks: list, ckpt_p
                       error_after_s=time.monotonic() - start)
         raise
     finally:
-        _write(out, run, trainer.global_rank, result | _recorded(rec, callbacks))
+        _write(out, run, trainer.global_rank, result | _recorded(rec, callbacks) | {"val_batches": val.batches})
     return result
 
 
@@ -129,7 +143,8 @@ def _write(out: Path, run: str, rank: int, data: dict) -> None:
 
 
 def first(data: str, out: Path) -> None:
-    # SIGTERM on rank 0 only, in the validation after step 4: the ranks agree at the end of step 5.
+    # SIGTERM on rank 0 only, in the validation after step 4 (at its first batch's start): the ranks
+    # agree at the end of that batch, save step 4 and exit; the validation's second batch never runs.
     try:
         _fit(out, "val_preempted", data, out / "val_ckpt", [PreemptionCheckpoint(exit_code=EXIT_CODE),
              SignalInValidation(rank=0, after=4, signum=signal.SIGTERM)])
@@ -145,6 +160,13 @@ def first(data: str, out: Path) -> None:
             _fit(out, "disk_stop", data, out / "stop_ckpt", [PreemptionCheckpoint()], async_save=False)
         except CheckpointSaveError:
             pass  # raised on both ranks together: recorded in disk_stop.rank*.json
+        # The async step-4 save fails on rank 1 (its disk is still full for it) and nothing waits for
+        # it before rank 0's SIGTERM in step 5: the preemption's wait for the save in flight raises.
+        try:
+            _fit(out, "inflight_failed", data, out / "inflight_ckpt",
+                 [PreemptionCheckpoint(exit_code=EXIT_CODE), SignalSelf(rank=0, at=5, signum=signal.SIGTERM)])
+        except (PreemptionExit, CheckpointSaveError):
+            pass  # recorded in inflight_failed.rank*.json
     finally:
         undo()
     # The relaunch after the stop, with the same command a first launch uses.

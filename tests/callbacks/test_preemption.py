@@ -1,9 +1,11 @@
 """PreemptionCheckpoint: signals only set a flag, all ranks agree and save, exit, resume bitwise.
 
 Two launches of 2 gloo ranks (tests/callbacks/preemption_run.py) carry the multi-process cases:
-- "first": a run whose rank 0 gets SIGTERM during validation; two runs whose rank 1's disk fills
-  up during the step-4 save (on_save_error="warn" and "stop"), the stopped one relaunched with
-  ckpt_path="auto"; a run checkpointing to s3:// on a local S3 server (moto, 127.0.0.1) whose
+- "first": a run whose rank 0 gets SIGTERM during validation (the validation stops at the end of
+  the batch in progress and step 4 is saved); two runs whose rank 1's disk fills up during the
+  step-4 save (on_save_error="warn" and "stop"), the stopped one relaunched with
+  ckpt_path="auto"; a third whose async step-4 save fails that way and is still in flight when
+  rank 0 gets SIGTERM in step 5 (the preemption's wait for it raises); a run checkpointing to s3:// on a local S3 server (moto, 127.0.0.1) whose
   rank 0 gets SIGTERM during step 3, relaunched with "auto"; a run whose rank 1 alone gets SIGTERM
   during step 5;
 - "second": that run resumed with ckpt_path="last" (no save_last); the validation run resumed with
@@ -118,16 +120,40 @@ def test_relaunch_with_last_resumes_bitwise_at_the_preemption_step(launches):
 
 
 @pytest.mark.slow
-def test_sigterm_during_validation_saves_at_the_next_step_boundary_and_auto_resumes_bitwise(launches):
+def test_sigterm_during_validation_stops_it_at_the_next_batch_saves_and_auto_resumes_bitwise(launches):
     pre, resumed, ref = (_ranks(launches["out"], run) for run in ("val_preempted", "val_resumed", "reference"))
-    assert [r["exit_code"] for r in pre] == [EXIT_CODE, EXIT_CODE]
-    assert [r["step"] for r in pre] == [5, 5]  # validation after step 4 finished, then step 5, then the save
+    assert [r["exit_code"] for r in pre] == [EXIT_CODE, EXIT_CODE], pre[0].get("error")
     assert pre[0]["reason"] == "received SIGTERM" and pre[1]["reason"] is None
-    assert [r["start_step"] for r in resumed] == [5, 5]  # ckpt_path="auto" found preempted-step=000005
+    # Rank 0 was signalled as the validation after step 4 started its first batch: both ranks
+    # agreed at the end of that batch and saved step 4. The validation's second batch and step 5
+    # never ran (before: the whole validation, then step 5, then the save).
+    for rank in range(2):
+        assert pre[rank]["val_batches"] == [[2, 0], [2, 1], [4, 0]]
+        assert [s for s, _ in pre[rank]["losses"]] == [1, 2, 3, 4]
+    assert [r["step"] for r in pre] == [4, 4]
+    path = Path(pre[0]["path"])
+    assert path.name == "preempted-step=000004.ckpt" and verify_checkpoint(path).global_step == 4
+    assert [r["start_step"] for r in resumed] == [4, 4]  # ckpt_path="auto" found preempted-step=000004
     for rank in range(2):
         assert len(ref[rank]["losses"]) == 8
-        assert pre[rank]["losses"] == ref[rank]["losses"][:5]
-        assert resumed[rank]["losses"] == ref[rank]["losses"][5:]
+        assert pre[rank]["losses"] == ref[rank]["losses"][:4]
+        assert resumed[rank]["losses"] == ref[rank]["losses"][4:]  # bitwise, dropout included
+        # The cut validation is not run again; the later ones are whole.
+        assert resumed[rank]["val_batches"] == [[6, 0], [6, 1], [8, 0], [8, 1]]
+
+
+@pytest.mark.slow
+def test_a_failed_async_save_in_flight_at_preemption_is_logged_and_every_rank_still_saves_and_exits(launches):
+    rc, _, output = launches["first"]
+    ranks = _ranks(launches["out"], "inflight_failed")
+    assert [r.get("exit_code") for r in ranks] == [EXIT_CODE, EXIT_CODE], ranks[0].get("error")
+    assert [r["step"] for r in ranks] == [5, 5]
+    assert "the checkpoint save in flight failed" in output and "step=004.ckpt" in output
+    ckpt_dir = launches["out"] / "inflight_ckpt"
+    path = Path(ranks[0]["path"])
+    assert path == ckpt_dir / "preempted-step=000005.ckpt" and verify_checkpoint(path).global_step == 5
+    assert (ckpt_dir / "last.ckpt").resolve() == path.resolve()
+    assert not next(c for c in list_checkpoints(ckpt_dir) if c.path.name == "step=004.ckpt").complete
 
 
 @pytest.mark.slow
@@ -278,6 +304,106 @@ def test_last_link_follows_the_newest_save_without_save_last(tmp_path):
     assert (tmp_path / "ckpt" / "last.ckpt").resolve().name == "epoch=0-step=6.ckpt"
 
 
+class _ValSignal(L.Callback):
+    """Raises SIGTERM in this process at validation batch ``at_batch`` after step ``after``; counts
+    the validation batches that end after it."""
+
+    def __init__(self, after: int, at_batch: int = 0) -> None:
+        self.after, self.at_batch, self.sent, self.after_signal = after, at_batch, False, 0
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking and trainer.global_step == self.after and batch_idx == self.at_batch:
+            self.sent = True
+            signal.raise_signal(signal.SIGTERM)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.after_signal += self.sent
+
+
+def _signalled_in_validation(tmp_path, sanity_batches: int, **callback_kwargs):
+    """BoringModel for up to 6 steps, validation every 2 (5 batches); SIGTERM in the validation after
+    step 2, at its batch 1. Returns (PreemptionExit, the validation recorder, the step counter)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        steps, val = _Steps(), _ValSignal(after=2, at_batch=1)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=sanity_batches, limit_val_batches=5,
+                            val_check_interval=2, default_root_dir=str(tmp_path),
+                            callbacks=[steps, val, PreemptionCheckpoint(exit_code=7, **callback_kwargs)])
+        with pytest.raises(PreemptionExit) as info:
+            trainer.fit(BoringModel())
+        return info.value, val, steps
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_in_validation_stops_it_at_the_next_batch_under_lightnings_strategy(tmp_path):
+    exit_, val, steps = _signalled_in_validation(tmp_path, sanity_batches=2)
+    # The sanity check (2 batches) did not agree to anything; the validation after step 2 was
+    # signalled at its batch 1 and stopped at that batch's end: 1 of its 5 batches ran after.
+    assert exit_.code == 7 and exit_.step == 2 and Path(exit_.path).exists()
+    assert val.after_signal == 1 and steps.batches == 2
+
+
+def test_stop_validation_false_waits_for_the_next_step_boundary(tmp_path):
+    exit_, val, steps = _signalled_in_validation(tmp_path, sanity_batches=0, stop_validation=False)
+    assert exit_.step == 3 and val.after_signal == 4 and steps.batches == 3
+
+
+def test_a_failure_in_the_exit_paths_wait_still_logs_links_last_and_exits_with_the_code(tmp_path, caplog):
+    import logging
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class InFlightSaveLost(SingleDeviceStrategy):
+        """A strategy whose save in flight cannot be waited for (its writer lost a peer)."""
+
+        def wait_for_checkpoint(self):
+            raise RuntimeError("waiting for the save in flight: Connection closed by peer")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    ckpt = tmp_path / "ckpt"
+    try:
+        mc = ModelCheckpoint(dirpath=ckpt, every_n_train_steps=1, save_top_k=-1)
+        trainer = L.Trainer(strategy=InFlightSaveLost(device="cpu"), max_steps=5, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            limit_val_batches=0, default_root_dir=str(tmp_path),
+                            callbacks=[PreemptionCheckpoint(exit_code=7), _Steps(signal_at=3), mc])
+        with caplog.at_level(logging.ERROR, logger="lightning_disttrain.callbacks.preemption"):
+            with pytest.raises(PreemptionExit) as info:
+                trainer.fit(BoringModel())
+        assert info.value.code == 7 and info.value.path is None and info.value.step == 3
+        assert not (ckpt / "preempted-step=000003.ckpt").exists()  # nothing half-done was started
+        newest = ckpt / "epoch=0-step=2.ckpt"
+        assert (ckpt / "last.ckpt").resolve() == newest.resolve()
+        message = next(r.getMessage() for r in caplog.records if "could not be saved" in r.getMessage())
+        assert "Connection closed by peer" in message and str(newest) in message and "code 7" in message
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_grace_period_defaults_fit_the_schedulers(monkeypatch):
+    from lightning_disttrain.callbacks.preemption import WINDOW_ENV
+
+    monkeypatch.delenv(WINDOW_ENV, raising=False)
+    assert PreemptionCheckpoint().grace_period_s == 20.0  # inside Kubernetes' / GCP's 30 s, 10 s to spare
+    assert PreemptionCheckpoint(grace_period_s=45).grace_period_s == 45.0  # explicit seconds as given
+    assert PreemptionCheckpoint.grace_period_for(120) == 110.0  # SLURM --signal=USR1@120
+    monkeypatch.setenv(WINDOW_ENV, "120")  # e.g. the pod's terminationGracePeriodSeconds, passed through
+    assert PreemptionCheckpoint().grace_period_s == 110.0
+    assert PreemptionCheckpoint(grace_period_s="auto").grace_period_s == 110.0
+    monkeypatch.setenv(WINDOW_ENV, "15")
+    assert PreemptionCheckpoint().grace_period_s == 5.0
+    for bad, match in (("10", "10 s safety margin.*terminationGracePeriodSeconds"), ("half a minute", "number")):
+        monkeypatch.setenv(WINDOW_ENV, bad)
+        with pytest.raises(ValueError, match=f"{WINDOW_ENV}=.*{match}"):
+            PreemptionCheckpoint()
+
+
 def test_check_every_n_steps_defers_the_save_to_a_checking_step(tmp_path):
     from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -295,7 +421,9 @@ def test_check_every_n_steps_defers_the_save_to_a_checking_step(tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(signals=("SIGTERM", "SIGBOGUS")), "unknown.*SIGBOGUS"),
     (dict(check_every_n_steps=0), "check_every_n_steps=0"),
-    (dict(grace_period_s=0), "grace_period_s=0"),
+    (dict(grace_period_s=0), "grace_period_s=0.*e.g. 20"),
+    (dict(grace_period_s=float("nan")), "grace_period_s=nan"),
+    (dict(grace_period_s="soon"), "grace_period_s='soon'.*'auto'"),
     (dict(exit_code=300), "exit_code=300"),
     (dict(poll_interval_s=-1), "poll_interval_s=-1"),
 ])
