@@ -7,12 +7,12 @@ of its 440 s; a section that no longer fits is skipped and named in the JSON):
 
 1. ``sac`` (~30 s): ``gpu_sac.measure``: attention forwards per block, memory, time for
    none / selective / full under the flash, cuDNN and memory-efficient SDPA kernels.
-2. ``meta_init`` (~20 s): ``empty_init=True`` builds on the meta device; on CUDA the strategy
-   shards first and initialises each shard through DTensor's RNG (``sharded_init``). Compared,
-   tensor by tensor (bitwise equal, max difference, std per tensor), with (i) the same seed's meta
-   build initialised whole by ``init_weights`` without a strategy (must be bitwise equal), and
-   (ii) the eager build (``empty_init=False``: real weights on the device; same distribution, not
-   the same draws, since ``GPT.__init__`` draws ``nn.Linear``'s default init first).
+2. ``meta_init`` (~20 s): ``empty_init=True`` builds on the meta device; the strategy shards
+   first, then each rank draws each full parameter from a generator of its own
+   (``models/param_init.py``) and keeps its shard. Compared, tensor by tensor (bitwise equal, max
+   difference, std per tensor), with (i) the same seed's meta build initialised whole by
+   ``init_weights`` without a strategy and (ii) the eager build (``empty_init=False``): both must
+   be bitwise equal.
 3. ``cpu_offload`` (~35 s): ``cpu_offload=True`` vs False, same seed and batches: per-step losses,
    step time, peak GPU memory.
 4. ``async_save`` (~35 s): three saves during training with ``async_save=True`` (pinned-memory
@@ -21,8 +21,8 @@ of its 440 s; a section that no longer fits is skipped and named in the JSON):
 5. ``init_broadcast`` (~15 s): a module that builds real weights in ``__init__``, under
    ``strategy="fsdp2"``: its weights after setup equal the ones it built (rank 0's). At world size 1
    the strategy has nothing to agree on and skips the broadcast, so the section then runs
-   ``broadcast_module_`` itself on the 1-rank NCCL group with the strategy's collective device:
-   the host -> GPU staging and copy back (a broadcast between two ranks needs two GPUs).
+   ``broadcast_module_`` itself on the 1-rank NCCL group (``comm.broadcast`` stages each host tensor
+   on the GPU): the host -> GPU staging and copy back (a broadcast between two ranks needs two GPUs).
 6. ``plan_memory`` (~25 s): peak GPU memory of ``gpt2-124m`` (seq 1024, micro-batch 8, bf16-mixed,
    eager) under ``fsdp2`` against ``lightning-disttrain plan --json``'s figure for that layout.
 
@@ -55,9 +55,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_disttrain.module import GPTModule
+from lightning_disttrain import comm
 from lightning_disttrain.parallel.materialize import (
     broadcast_module_,
-    collective_device,
     dtensor_rng_supported,
     materialize_,
 )
@@ -180,14 +180,13 @@ def meta_init(shape: Shape, device: torch.device) -> dict[str, Any]:
     reference = _unsharded_init(shape, device)
     eager = _fit(shape, device, 1, empty_init=False, keep_weights=True)
     mesh = meta.trainer.strategy.device_mesh
-    return {"model": shape.preset, "sharded_init": dtensor_rng_supported(mesh),
-            "path": "shard, then init each shard via DTensor RNG" if dtensor_rng_supported(mesh)
-            else "materialise whole, then shard (no DTensor RNG on this mesh)",
+    return {"model": shape.preset, "dtensor_rng_mesh": dtensor_rng_supported(mesh),
+            "path": "shard, then each rank draws each full parameter from its own generator and keeps its shard",
             "steps": meta.trainer.strategy.parallelized_steps,
             # Expected bitwise equal: the same init_weights from the same RNG state.
             "vs_unsharded_init": _compare(reference, meta.weights),
-            # Not bitwise (GPT.__init__ draws nn.Linear's default init before init_weights, so its
-            # init_weights starts from a later RNG state); the same distribution (std per tensor).
+            # Expected bitwise equal too: every weight is drawn from a generator of its own
+            # (models/param_init.py), whatever the build and the layout.
             "vs_eager_build": _compare(eager.weights, meta.weights),
             "first_loss_eager": eager.losses[0], "first_loss_meta": meta.losses[0]}
 
@@ -273,8 +272,8 @@ class CheckBroadcast(L.Callback):
         host = self.shape.module(EagerGPTModule)
         before = {k: v.clone() for k, v in host.state_dict().items()}
         backend = dist.get_backend()
-        device = collective_device(backend, trainer.strategy.root_device)
-        broadcast_module_(host, src=0, device=device)
+        device = comm.group_device()  # where comm stages each host tensor for this group's backend
+        broadcast_module_(host, group_src=0)
         after = host.state_dict()
         self.result = {"backend": backend, "staging_device": str(device),
                        "unchanged_after_1_rank_broadcast": all(torch.equal(before[k], after[k]) for k in before),

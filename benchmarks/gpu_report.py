@@ -75,3 +75,45 @@ class SectionReport:
         with open(tmp, "w") as f:
             json.dump(self.data, f, indent=1, default=str)
         os.replace(tmp, self.path)  # a hard stop mid-write leaves the previous complete file
+
+
+PARTS = ("gpu_versions.json", "gpu_layouts.json", "gpu_bench.json", "gpu_paths.json")
+"""The files the scripts of gpu.sh write, in the order gpu.sh runs them."""
+
+
+def merge_reports(out: str) -> dict[str, Any]:
+    """Every figure of one ``gpu.sh`` run in one file, ``<out>/gpu_report.json``: each script's JSON
+    under its name, plus which ones are missing (not run, or killed before writing) and, per
+    script, what errored, was skipped or failed a check."""
+    merged: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "parts": {},
+                              "missing": [], "summary": {}}
+    for name in PARTS:
+        path = os.path.join(out, name)
+        if not os.path.exists(path):
+            merged["missing"].append(name)
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        key = name.removesuffix(".json")
+        merged["parts"][key] = data
+        merged["summary"][key] = {k: sorted(data[k]) for k in ("errors", "skipped") if data.get(k)} | (
+            {"failed_checks": data["failed"]} if data.get("failed") else {}) | (
+            {"differences": data["differences"]} if data.get("differences") else {})
+    tmp = os.path.join(out, "gpu_report.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(merged, f, indent=1, default=str)
+    os.replace(tmp, os.path.join(out, "gpu_report.json"))
+    return merged
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="merge the gpu*.json of one gpu.sh run into gpu_report.json")
+    p.add_argument("--merge", required=True, metavar="DIR", help="the directory the scripts wrote to ($OUT)")
+    merged = merge_reports(p.parse_args().merge)
+    print(f"# gpu_report.json: {', '.join(merged['parts']) or 'nothing'}"
+          f"{'; missing ' + ', '.join(merged['missing']) if merged['missing'] else ''}")
+    for part, s in merged["summary"].items():
+        if s:
+            print(f"#   {part}: {json.dumps(s)[:400]}")

@@ -1,7 +1,10 @@
-"""The one-GPU scripts (benchmarks/gpu*.py) on CPU: the cheap parts. The whole smoke run is
-``bash benchmarks/gpu.sh --smoke`` (minutes: it compiles), not a test."""
+"""The GPU scripts (benchmarks/gpu*.py, gpu.sh) on CPU: the cheap parts, so that a syntax or import
+error, or a check that could no longer fail, fails the suite. The whole smoke run is
+``bash benchmarks/gpu.sh --smoke`` (minutes: it compiles and launches torchrun), not a test."""
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -10,9 +13,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_layouts
 import gpu_sac
+import gpu_versions
 from gpu_bench import fp8_comparison
-from gpu_report import SectionReport
+from gpu_report import SectionReport, merge_reports
 
 
 def test_selective_checkpointing_runs_attention_forward_once_per_block():
@@ -43,3 +48,106 @@ def test_fp8_comparison_gaps_step_by_step():
     assert c["speedup"] == pytest.approx(1.3)
     assert c["max_abs_loss_gap"] == pytest.approx(0.4) and c["mean_abs_loss_gap"] == pytest.approx(0.7 / 3)
     assert c["max_rel_loss_gap"] == pytest.approx(0.05) and c["final_loss_gap"] == pytest.approx(-0.3)
+
+
+# ---- gpu.sh's versions check, multi-rank layouts (gpu_layouts.py) and merged report: the parts that
+# need no GPU and no multi-rank launch. The layouts themselves: `python benchmarks/gpu_layouts.py --smoke`.
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_gpu_sh_parses():
+    assert subprocess.run(["bash", "-n", str(BENCH / "gpu.sh")], capture_output=True).returncode == 0
+
+
+def test_layouts_dry_run_plans_torchrun_per_gpu_count_and_names_what_it_skips():
+    one = _run(str(BENCH / "gpu_layouts.py"), "--dry-run", "--gpus", "1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    for name, layout in gpu_layouts.LAYOUTS.items():
+        if name != "cp" or "not available" not in one.stdout:
+            assert f"skipped: {name} needs {layout.nproc} GPUs (have 1)" in one.stdout
+    assert "would run" not in one.stdout
+    eight = _run(str(BENCH / "gpu_layouts.py"), "--dry-run", "--gpus", "8")
+    assert eight.returncode == 0, eight.stderr[-3000:]
+    assert "torchrun --standalone --nproc-per-node 2" in eight.stdout
+    assert "torchrun --standalone --nproc-per-node 4" in eight.stdout and "--worker hsdp" in eight.stdout
+    assert "skipped: hsdp" not in eight.stdout and "--reference dense float8 moe" in eight.stdout
+    smoke = _run(str(BENCH / "gpu_layouts.py"), "--dry-run", "--smoke")
+    assert "skipped: async_tp needs CUDA" in smoke.stdout and "skipped: hsdp needs 4 GPUs (have 2)" in smoke.stdout
+
+
+def test_layout_plan_checks_every_layout_against_the_strategy():
+    run, skipped = gpu_layouts.plan(8, False, list(gpu_layouts.LAYOUTS))
+    assert {"tp_setup", "offload_clip", "tp", "pp", "ep", "hsdp", "float8_tp", "async_tp"} <= set(run)
+    assert set(run) | set(skipped) == set(gpu_layouts.LAYOUTS)
+    assert all(why.startswith("not available") for why in skipped.values())  # cp until it lands
+
+
+def test_layout_checks_fail_when_they_should():
+    ok = gpu_layouts.compare_losses([4.0, 3.9], [4.0, 3.90001], 1e-4)
+    assert ok["ok"] and not ok["bitwise"] and ok["max_abs_diff"] == pytest.approx(1e-5, rel=1e-3)
+    assert not gpu_layouts.compare_losses([4.0, 3.9], [4.0, 3.8], 1e-4)["ok"]
+    assert not gpu_layouts.compare_losses([4.0], [4.0, 3.8], 1e-4)["ok"]
+    ref = {"a": torch.ones(4), "b": torch.zeros(2, 2)}
+    same = gpu_layouts.compare_init([{"a": torch.ones(4)}, {"b": torch.zeros(2, 2)}], ref)  # two stages
+    assert same["ok"] and same["bitwise_equal"] == 2 and same["max_abs_diff"] == 0
+    off = gpu_layouts.compare_init([{"a": torch.ones(4) + 1e-7, "b": torch.zeros(2, 2)}], ref)
+    assert not off["ok"] and off["bitwise_equal"] == 1 and off["first_unequal"] == "a" and 0 < off["max_abs_diff"] < 1e-6
+    assert gpu_layouts.compare_init([{"a": torch.ones(4)}], ref)["missing"] == ["b"]
+    split = gpu_layouts.compare_init([{"a": torch.ones(4), "b": torch.zeros(2, 2)}, {"a": torch.zeros(4)}], ref)
+    assert not split["ok"] and split["ranks_disagree"] == ["a"]
+    tp = {"param_meshes": ["dp_shard_cp,tp=1x2"], "param_local_devices": ["cuda"], "blocks_here": 4, "n_layer": 4}
+    assert gpu_layouts._fact_check("tp", [tp, tp])[0] and not gpu_layouts._fact_check("ep", [tp])[0]
+    assert not gpu_layouts._fact_check("offload", [tp])[0] and not gpu_layouts._fact_check("pp", [tp, tp])[0]
+    stages = [dict(tp, blocks_here=2), dict(tp, blocks_here=2)]
+    assert gpu_layouts._fact_check("pp", stages)[0]
+    assert not gpu_layouts._fact_check("async_tp", [dict(tp, op_counts={})])[0]
+    assert gpu_layouts._fact_check("async_tp", [dict(tp, op_counts={"symm_mem::fused_all_gather_matmul": 4})])[0]
+
+
+def test_one_device_reference_run_records_losses_weights_and_settings(monkeypatch):
+    # What every layout's rank and the reference run, on one CPU process (the cheap part).
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    precision, deterministic = torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()
+    try:
+        result, init = gpu_layouts.fit("dense", "auto", accelerator="cpu", devices=1, count_ops=("aten::mm",))
+        again, _ = gpu_layouts.fit("dense", "auto", accelerator="cpu", devices=1)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.use_deterministic_algorithms(deterministic)
+    assert len(result["losses"]) == gpu_layouts.STEPS and result["losses"] == again["losses"]
+    assert result["float32_matmul_precision"] == "highest" and result["deterministic"]
+    assert sum(result["op_counts"].values()) > 0  # the profiler of the async-TP check counts ops
+    fresh = gpu_layouts.ParityGPT(gpu_layouts.DENSE)
+    fresh.configure_model()
+    assert init.keys() == {name for name, _ in fresh.model.named_parameters()}
+
+
+def test_versions_check_reads_the_pins_and_names_each_difference():
+    pins = gpu_versions.pinned_versions()
+    assert pins["torch"]["exact"] == "2.13.0" and pins["lightning"]["spec"] and pins["torchao"]["spec"]
+    same = {"torch": "2.13.0+cu128", "lightning": "2.6.6", "torchao": "0.18.0", "cuda_runtime": "12.8",
+            "driver_cuda": "12.9", "cuda_available": True}
+    assert gpu_versions.differences(same, pins) == []
+    other = dict(same, torch="2.14.0+cu130", torchao=None, lightning="2.4.0", cuda_runtime="13.0")
+    diff = gpu_versions.differences(other, pins)
+    assert len(diff) == 4 and any("2.14.0+cu130 installed, 2.13.0 pinned" in d for d in diff)
+    assert any(d.startswith("torchao: not installed") for d in diff) and any("lightning: 2.4.0" in d for d in diff)
+    assert any("driver supports up to 12.9" in d for d in diff)
+
+
+def test_merged_report_holds_every_part(tmp_path):
+    (tmp_path / "gpu_layouts.json").write_text(json.dumps({"sections": {"tp": {"ok": False}}, "errors": {},
+                                                           "skipped": {"hsdp": "needs 4 GPUs (have 2)"},
+                                                           "failed": ["tp"]}))
+    (tmp_path / "gpu_versions.json").write_text(json.dumps({"differences": ["torch: x"]}))
+    merged = merge_reports(str(tmp_path))
+    assert json.loads((tmp_path / "gpu_report.json").read_text()) == json.loads(json.dumps(merged))
+    assert merged["missing"] == ["gpu_bench.json", "gpu_paths.json"]
+    assert merged["summary"]["gpu_layouts"] == {"skipped": ["hsdp"], "failed_checks": ["tp"]}
+    assert merged["summary"]["gpu_versions"] == {"differences": ["torch: x"]}
