@@ -14,7 +14,8 @@ The file (format version 1) is one ``torch.save`` dict, readable with ``weights_
                       ``GPTConfig`` fields (its ``hyper_parameters["config"]``), which
                       ``GPT.from_exported`` builds the model from
     hyper_parameters  the LightningModule's hyper-parameters, or None
-    source            {"checkpoint": real directory, "global_step", "completed_unix"}
+    source            {"checkpoint": the real directory's name (no absolute path: the file is
+                      meant for sharing), "global_step", "completed_unix"}
 
 - ``contents="model"`` (default): ``state_dict`` is the model's, with the LightningModule attribute
   prefix (``model.``) stripped, so a plain ``GPT(config).load_state_dict(...)`` takes it.
@@ -53,6 +54,7 @@ from lightning_disttrain.checkpoint.discovery import (
     gate_failure,
     list_checkpoints,
 )
+from lightning_disttrain.checkpoint.safe_load import UntrustedCheckpointError, reader_for, unwrap_checkpoint_exception
 from lightning_disttrain.checkpoint.manifest import (
     CheckpointVerificationError,
     Manifest,
@@ -66,17 +68,27 @@ EXPORT_FORMAT_VERSION = 1
 HPARAMS_KEY = "hyper_parameters"  # Lightning's LightningModule.CHECKPOINT_HYPER_PARAMS_KEY
 
 
-def _read_dcp(ckpt_dir: Path, keys: set[str] | None) -> dict[str, Any]:
+def _read_dcp(ckpt_dir: Path, keys: set[str] | None, trust_checkpoint: bool = False) -> dict[str, Any]:
     # DCP's own single-process reader (what dcp_to_torch_save uses): rebuilds full tensors from
     # the metadata without a model or a process group. `keys` picks top-level entries, so a
-    # model-only export never reads the optimizer's shards.
-    from torch.distributed.checkpoint import FileSystemReader
+    # model-only export never reads the optimizer's shards. The reader unpickles nothing but
+    # plain data unless trusted (safe_load).
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(ckpt_dir),
-                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    # The metadata on its own first: inside DCP a refusal is logged, retried as rank-local
+    # metadata and folded into another error's text.
+    reader_for(ckpt_dir, trust_checkpoint).read_metadata()
+    try:
+        _load_state_dict(state, storage_reader=reader_for(ckpt_dir, trust_checkpoint),
+                         planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    except CheckpointException as err:
+        cause = unwrap_checkpoint_exception(err)
+        if cause is err:
+            raise
+        raise cause from err
     return state
 
 
@@ -89,7 +101,7 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str | None = DEFAULT_PRE
 
 def export_consolidated(ckpt_dir: str | os.PathLike, out_file: str | os.PathLike, *, model_only: bool = True,
                         prefix: str | None = DEFAULT_PREFIX, verify: bool = True,
-                        dtype: torch.dtype | None = None) -> Path:
+                        dtype: torch.dtype | None = None, trust_checkpoint: bool = False) -> Path:
     """Write one ``torch.save`` file (format in the module docstring) from a checkpoint directory;
     returns its path.
 
@@ -99,21 +111,24 @@ def export_consolidated(ckpt_dir: str | os.PathLike, out_file: str | os.PathLike
         model_only: only the model's weights and config (``contents="model"``); else ``"full"``.
         prefix: stripped from the model's keys when all have it (``model_only`` only); None keeps them.
         dtype: cast floating-point weights (e.g. ``torch.bfloat16`` to halve a release file).
+        trust_checkpoint: read the checkpoint with plain (unrestricted) unpickling: DCP's
+            ``.metadata`` and, for a full export, ``meta.pt`` with ``weights_only=False``. Only for
+            checkpoints whose writer you trust: unpickling can run code.
     """
     ckpt_dir, out_file = Path(ckpt_dir), Path(out_file)
     manifest = verify_checkpoint(ckpt_dir) if verify else _manifest_or_none(ckpt_dir)
-    state = _read_dcp(ckpt_dir, {MODEL_KEY} if model_only else None)
+    state = _read_dcp(ckpt_dir, {MODEL_KEY} if model_only else None, trust_checkpoint)
     if MODEL_KEY not in state:
         raise ValueError(f"{str(ckpt_dir)!r} holds no model state under {MODEL_KEY!r}; "
                          f"pass a directory written by trainer.save_checkpoint under a lightning-disttrain strategy")
     model = state[MODEL_KEY]
     if dtype is not None:
         model = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in model.items()}
-    meta = load_meta(ckpt_dir, weights_only=False) if not model_only else _meta_for_model_export(ckpt_dir)
-    hparams = meta.get(HPARAMS_KEY)
+    meta = _meta_for_full_export(ckpt_dir, trust_checkpoint) if not model_only else _meta_for_model_export(ckpt_dir)
+    hparams = _shareable_hparams(meta.get(HPARAMS_KEY))
     header = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION,
               "model_config": _model_config(hparams),
-              "source": {"checkpoint": str(ckpt_dir.resolve()),
+              "source": {"checkpoint": ckpt_dir.resolve().name,  # a name: the file is meant for sharing
                          "global_step": manifest.global_step if manifest else meta.get("global_step"),
                          "completed_unix": manifest.created_unix if manifest else None}}
     if model_only:
@@ -121,6 +136,8 @@ def export_consolidated(ckpt_dir: str | os.PathLike, out_file: str | os.PathLike
                                HPARAMS_KEY: dict(hparams) if isinstance(hparams, Mapping) else None}
     else:
         optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+        if hparams is not None:
+            meta = {**meta, HPARAMS_KEY: hparams}
         out = {**meta, **header, "contents": "full", MODEL_KEY: model,
                "optimizer_states": [state[k] for k in optimizers]}
     out_file.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +150,17 @@ def _manifest_or_none(ckpt_dir: Path) -> Manifest | None:
         return read_manifest(ckpt_dir)
     except CheckpointVerificationError:
         return None
+
+
+def _meta_for_full_export(ckpt_dir: Path, trust_checkpoint: bool) -> dict[str, Any]:
+    # A full export keeps Lightning's state as saved; objects beyond plain data need trust.
+    try:
+        return load_meta(ckpt_dir, weights_only=not trust_checkpoint)
+    except ValueError as err:
+        if trust_checkpoint:
+            raise
+        raise UntrustedCheckpointError(ckpt_dir / META_NAME, "its Lightning state holds objects "
+                                       "torch.load(weights_only=True) refuses") from err
 
 
 def _meta_for_model_export(ckpt_dir: Path) -> dict[str, Any]:
@@ -149,6 +177,22 @@ def _meta_for_model_export(ckpt_dir: Path) -> dict[str, Any]:
         return {}
 
 
+_LOCAL_PATH_HPARAMS = ("init_from",)
+
+
+def _shareable_hparams(hparams: Any) -> Any:
+    """Hyper-parameters with local paths (``init_from``) reduced to their names: an export is
+    meant for sharing, and an absolute path says where the writer keeps their files."""
+    if not isinstance(hparams, Mapping) or not any(isinstance(hparams.get(k), (str, os.PathLike))
+                                                   for k in _LOCAL_PATH_HPARAMS):
+        return hparams
+    out = dict(hparams)
+    for key in _LOCAL_PATH_HPARAMS:
+        if isinstance(out.get(key), (str, os.PathLike)):
+            out[key] = Path(str(out[key]).rstrip("/")).name
+    return out
+
+
 def _model_config(hparams: Any) -> dict[str, Any] | None:
     config = hparams.get("config") if isinstance(hparams, Mapping) else None
     return dict(config) if isinstance(config, Mapping) else None
@@ -163,7 +207,8 @@ class Exported:
     """The config to build the model from (None: not recorded, e.g. a plain pre-format file)."""
     hyper_parameters: dict[str, Any] | None
     source: dict[str, Any] | None
-    """Which checkpoint was exported: ``checkpoint`` (its real directory), ``global_step``, ``completed_unix``."""
+    """Which checkpoint was exported: ``checkpoint`` (its directory's name; files exported before
+    this recorded the absolute path), ``global_step``, ``completed_unix``."""
     format_version: int
     """0 for files written before the format had a version."""
 
@@ -259,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="cast floating-point weights")
     p.add_argument("--no-verify", action="store_true", help="skip checking the files against manifest.json")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="unpickle the checkpoint without restrictions (DCP's .metadata, and with --full meta.pt "
+                        "with weights_only=False): unpickling can run code, so only for checkpoints whose "
+                        "writer you trust. Without it anything beyond plain data is refused")
     p.add_argument("--allow-failed", action="store_true",
                    help="export a checkpoint the eval regression gate failed (its evals.json says so); without "
                         "it such a checkpoint is refused, and skipped by --latest")
@@ -293,10 +342,14 @@ def export_main(argv: Sequence[str] | None = None) -> Path:
         warnings.filterwarnings("ignore", message=".*torch.distributed is.*uninitialized.*")
         if args.format == "hf":
             return _export_hf(args, ckpt_dir, via)
-        out = export_consolidated(ckpt_dir, args.out_file, model_only=not args.full,
-                                  prefix=None if args.keep_prefix else DEFAULT_PREFIX,
-                                  verify=not args.no_verify,
-                                  dtype=getattr(torch, args.dtype) if args.dtype else None)
+        try:
+            out = export_consolidated(ckpt_dir, args.out_file, model_only=not args.full,
+                                      prefix=None if args.keep_prefix else DEFAULT_PREFIX,
+                                      verify=not args.no_verify,
+                                      dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                      trust_checkpoint=args.trust_checkpoint)
+        except UntrustedCheckpointError as err:
+            raise SystemExit(f"error: {err}") from err
     size = out.stat().st_size / 2**20
     print(f"exported {describe_checkpoint(ckpt_dir)}{via} -> {out} "
           f"({size:.1f} MiB{', model only' if not args.full else ''})")
@@ -310,7 +363,8 @@ def _export_hf(args: argparse.Namespace, source: Path, via: str) -> Path:
         raise SystemExit("--full and --keep-prefix apply to the torch format only; --format hf writes the model")
     try:
         out = export_hf(source, args.out_file, verify=not args.no_verify,
-                        dtype=getattr(torch, args.dtype) if args.dtype else None)
+                        dtype=getattr(torch, args.dtype) if args.dtype else None,
+                        trust_checkpoint=args.trust_checkpoint)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 2**20

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_disttrain import comm as collectives
 from lightning_disttrain.checkpoint import rng, storage
+from lightning_disttrain.checkpoint.safe_load import reader_for, unwrap_checkpoint_exception
 from lightning_disttrain.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointVerificationError,
@@ -109,21 +110,67 @@ def new_checkpoint_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def remove_checkpoint_path(path: str | os.PathLike) -> None:
-    """Delete a checkpoint: a link is unlinked (never its target); a directory loses its manifest
-    first, so an interrupted delete leaves a directory that reads as incomplete, not as valid."""
+_OURS = (MANIFEST_NAME, ".metadata", META_NAME, rng.RNG_DIR)
+_EVALS_NAME = "evals.json"  # CheckpointEval's results (discovery.EVALS_NAME)
+
+
+def is_checkpoint_file(rel: str) -> bool:
+    """Whether ``rel`` (relative to a checkpoint directory, '/'-separated) is a file a save writes:
+    the manifest (and its temp file), DCP's ``.metadata`` and ``*.distcp`` shards, ``meta.pt``,
+    ``rng/rank_NNNNN.json``, ``evals.json``."""
+    parts = rel.split("/")
+    if len(parts) == 1:
+        name = parts[0]
+        return (name in (MANIFEST_NAME, MANIFEST_NAME + ".tmp", META_NAME, _EVALS_NAME) or name.endswith(".metadata")
+                or name.endswith(".distcp"))
+    return len(parts) == 2 and parts[0] == rng.RNG_DIR and parts[1].startswith("rank_") and parts[1].endswith(".json")
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """What a local checkpoint directory holds besides checkpoint files (links count as foreign)."""
+    foreign = []
+    for dirpath, dirnames, names in os.walk(path):  # os.walk does not follow links to directories
+        here = Path(dirpath)
+        for name in names + [d for d in dirnames if (here / d).is_symlink()]:
+            rel = (here / name).relative_to(path).as_posix()
+            if (here / name).is_symlink() or not is_checkpoint_file(rel):
+                foreign.append(rel)
+        if here != path and here.relative_to(path).as_posix() != rng.RNG_DIR:
+            foreign.append(here.relative_to(path).as_posix() + "/")
+    return sorted(foreign)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Whether ``path`` (not resolved itself: a link is judged where it lies) is strictly inside ``root``."""
+    parent, real_root = path.parent.resolve(), root.resolve()
+    return parent == real_root or real_root in parent.parents
+
+
+def remove_checkpoint_path(path: str | os.PathLike, root: str | os.PathLike | None = None) -> bool:
+    """Delete a checkpoint; True if it went (or was not there), False if it was refused (a warning).
+
+    A link is unlinked, never its target. A directory loses its manifest first, so an interrupted
+    delete leaves a directory that reads as incomplete, not as valid; a directory that holds
+    anything but checkpoint files (``is_checkpoint_file``; links count) is left whole. With
+    ``root`` (the run's checkpoint directory), a path not inside it is refused as well.
+    """
     if storage.is_url(path):
         storage.url_remove(str(path), first=MANIFEST_NAME)
-        return
+        return True
     path = Path(path)
+    if root is not None and not storage.is_url(root) and not _inside(path, Path(root)):
+        log.warning("not deleting %s: it is not inside the checkpoint directory %s", path, root)
+        return False
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():
+        if foreign := foreign_entries(path):
+            log.warning("not deleting checkpoint directory %s: it holds files that are not checkpoint files "
+                        "(%s); delete it yourself if that is intended", path, ", ".join(foreign[:5]))
+            return False
         (path / MANIFEST_NAME).unlink(missing_ok=True)
         shutil.rmtree(path)
-
-
-_OURS = (MANIFEST_NAME, ".metadata", META_NAME, rng.RNG_DIR)
+    return True
 
 
 def aside_path(path: Path) -> Path:
@@ -163,6 +210,9 @@ def _prepare_directory(path: Path | str) -> tuple[str | None, Path | None]:
         if entries and not any(name in _OURS or name.endswith(".distcp") for name in entries):
             return (f"{str(path)!r} exists and is not a checkpoint directory (it holds {entries[:3]}); "
                     f"save the checkpoint to a new path, e.g. {str(path / 'step=N.ckpt')!r}"), None
+        if foreign := foreign_entries(path):  # never empty a directory that holds anything else
+            return (f"{str(path)!r} holds files that are not checkpoint files ({foreign[:3]}), so saving over it "
+                    f"would delete them; move them away, or save the checkpoint to a new path"), None
         if (path / MANIFEST_NAME).is_file():
             remove_checkpoint_path(aside)
             os.replace(path, aside)
@@ -409,12 +459,24 @@ def _writer_for(path: Path | str):
     return FsspecWriter(str(path))
 
 
-def _reader_for(path: Path | str):
-    if storage.is_url(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+def _reader_for(path: Path | str, trust_checkpoint: bool = False):
+    """DCP's reader for ``path``: restricted unpickling (``safe_load``) unless ``trust_checkpoint``."""
+    return reader_for(path, trust_checkpoint)
 
-        return FsspecReader(str(path))
-    return FileSystemReader(path)
+
+@contextmanager
+def _load_errors():
+    # A refusal of the restricted reader inside dcp.load reaches us wrapped in DCP's
+    # CheckpointException (a BaseException, raised on every rank): give it back as itself.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        cause = unwrap_checkpoint_exception(err)
+        if cause is err:
+            raise
+        raise cause from err
 
 
 @contextmanager
@@ -467,10 +529,11 @@ def verify_distributed(path: str | os.PathLike, comm: Comm) -> Manifest:
     return manifest
 
 
-def saved_keys(path: str | os.PathLike, full: bool = False) -> set[str]:
+def saved_keys(path: str | os.PathLike, full: bool = False, trust_checkpoint: bool = False) -> set[str]:
     """Top-level keys DCP holds in ``path`` ("state_dict", "optimizer_0", ...); ``full``: every
-    flattened key ("optimizer_0.state.model.wte.weight.exp_avg", ...)."""
-    metadata = _reader_for(path).read_metadata()
+    flattened key ("optimizer_0.state.model.wte.weight.exp_avg", ...). Reads DCP's ``.metadata``
+    with restricted unpickling unless ``trust_checkpoint`` (``safe_load``)."""
+    metadata = _reader_for(path, trust_checkpoint).read_metadata()
     return set(metadata.state_dict_metadata) if full else {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
@@ -504,17 +567,21 @@ def load_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, A
             raise
         raise ValueError(
             f"{str(meta_path)!r} holds objects torch.load(weights_only=True) refuses ({err}). If you "
-            f"trust this checkpoint, set `strategy.checkpoint_weights_only = False` (or pass "
-            f"weights_only=False) to unpickle it fully") from err
+            f"trust this checkpoint, pass --trust-checkpoint (trust_checkpoint=True; for a strategy: "
+            f"strategy.trust_checkpoint = True) to unpickle it fully") from err
 
 
 def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: list[list[torch.optim.Optimizer]],
-                 comm: Comm, strict: bool = True) -> None:
+                 comm: Comm, strict: bool = True, trust_checkpoint: bool = False) -> None:
     """Load model and optimizer state from ``path`` into live (sharded) objects, resharding as
     needed: each rank reads exactly the pieces its current shards cover, whatever world size wrote them.
 
     ``optimizers``: one entry per saved optimizer slot; an entry is the list of torch optimizers
     that were saved together (a ``HybridOptimizer``'s parts).
+
+    Nothing in the checkpoint is unpickled beyond plain data unless ``trust_checkpoint``
+    (``safe_load``); every rank reads the same ``.metadata`` first, so a refusal is raised by
+    every rank before any collective.
     """
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (
@@ -525,7 +592,7 @@ def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: l
         set_optimizer_state_dict,
     )
 
-    keys = saved_keys(path)
+    keys = saved_keys(path, trust_checkpoint=trust_checkpoint)
     if MODEL_KEY not in keys:
         raise ValueError(f"checkpoint {str(path)!r} holds no model state (keys: {sorted(keys)}); "
                          f"pass a checkpoint saved by trainer.save_checkpoint under a lightning-disttrain strategy")
@@ -533,8 +600,9 @@ def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: l
     # strict=False (LightningModule.strict_loading) lets keys missing from the checkpoint keep
     # their current values instead of failing the load.
     planner = DefaultLoadPlanner(allow_partial_load=not strict)
-    dcp.load(model_state, checkpoint_id=path, process_group=comm.group, planner=planner,
-             storage_reader=_reader_for(path) if storage.is_url(path) else None)
+    with _load_errors():
+        dcp.load(model_state, checkpoint_id=path, process_group=comm.group, planner=planner,
+                 storage_reader=_reader_for(path, trust_checkpoint))
     set_model_state_dict(module, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
 
     saved_optimizers = sorted(k for k in keys if k.startswith("optimizer_"))
@@ -546,13 +614,14 @@ def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: l
         raise ValueError(f"checkpoint {str(path)!r} holds {len(saved_optimizers)} optimizer state(s), "
                          f"this run configures {len(optimizers)}; return the same optimizers from "
                          f"configure_optimizers as the run that saved it")
-    every_key = saved_keys(path, full=True) if optimizers else set()
+    every_key = saved_keys(path, full=True, trust_checkpoint=trust_checkpoint) if optimizers else set()
     for index, parts in enumerate(optimizers):
         key = optimizer_key(index)
         options = optimizer_state_options(flatten=f"{key}.param_groups.0.params" not in every_key)
         optim_state = {key: get_optimizer_state_dict(module, parts, options=options)}
-        dcp.load(optim_state, checkpoint_id=path, process_group=comm.group,
-                 storage_reader=_reader_for(path) if storage.is_url(path) else None)
+        with _load_errors():
+            dcp.load(optim_state, checkpoint_id=path, process_group=comm.group,
+                     storage_reader=_reader_for(path, trust_checkpoint))
         set_optimizer_state_dict(module, parts, optim_state_dict=optim_state[key], options=options)
 
 

@@ -197,13 +197,15 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int,
 
     Incomplete checkpoints older than the oldest kept one go too (they can never be resumed); newer
     ones are left alone, since one may still be being written. Links (``last.ckpt``) are never
-    followed into deletion. Call it on one rank only.
+    followed into deletion: a checkpoint reached only through a link is removed by unlinking the
+    link, and nothing outside ``directory`` is ever deleted (``remove`` gets the entry as found in
+    ``directory``). Call it on one rank only.
     """
     from lightning_disttrain.checkpoint.dcp_io import remove_checkpoint_path
 
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}; keep at least 1 checkpoint (use 1 or more)")
-    remove = remove or remove_checkpoint_path
+    remove = remove or (lambda p: remove_checkpoint_path(p, root=directory))
     candidates = list_checkpoints(directory)
     complete = [c for c in candidates if c.complete]
     if len(complete) <= keep_last:
@@ -212,8 +214,8 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int,
     doomed = complete[keep_last:] + [c for c in candidates if not c.complete and c.timestamp < oldest_kept]
     removed = []
     for cand in doomed:
-        remove(cand.resolved)
-        removed.append(cand.resolved)
+        if remove(cand.path) is not False:
+            removed.append(cand.resolved)
     if storage.is_url(directory):
         return removed
     # A link left pointing at a deleted directory would make ckpt_path="last" find nothing.

@@ -27,15 +27,17 @@ from lightning_disttrain.models.gpt import GPTConfig
 from lightning_disttrain.models.hf import save_hf
 
 
-def read_model(source: str | os.PathLike, *, verify: bool = True) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """The GPT config and state dict (GPT names) of a checkpoint directory or an exported file."""
+def read_model(source: str | os.PathLike, *, verify: bool = True,
+               trust_checkpoint: bool = False) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The GPT config and state dict (GPT names) of a checkpoint directory or an exported file
+    (DCP's ``.metadata`` unpickled with restrictions unless ``trust_checkpoint``)."""
     path = Path(source)
     if path.is_dir():
         if verify:
             verify_checkpoint(path)
         else:
             _manifest_or_none(path)
-        state = _read_dcp(path, {MODEL_KEY}).get(MODEL_KEY)
+        state = _read_dcp(path, {MODEL_KEY}, trust_checkpoint).get(MODEL_KEY)
         if state is None:
             raise ValueError(f"{str(path)!r} holds no model state under {MODEL_KEY!r}; pass a checkpoint directory "
                              f"written by a lightning-disttrain strategy, or a file written by `export`")
@@ -56,9 +58,10 @@ def read_model(source: str | os.PathLike, *, verify: bool = True) -> tuple[GPTCo
 
 
 def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, verify: bool = True,
-              dtype: torch.dtype | None = None, tokenizer: bool | None = None) -> Path:
+              dtype: torch.dtype | None = None, tokenizer: bool | None = None,
+              trust_checkpoint: bool = False) -> Path:
     """Write ``out_dir`` (config.json, model.safetensors, and GPT-2's tokenizer files when the
     vocabulary is GPT-2's) from a checkpoint directory or an exported file; returns ``out_dir``.
     ``ValueError`` when the model has no ``transformers`` equivalent (see ``models.hf.hf_architecture``)."""
-    config, state = read_model(source, verify=verify)
+    config, state = read_model(source, verify=verify, trust_checkpoint=trust_checkpoint)
     return save_hf(config, state, out_dir, dtype=dtype, tokenizer=tokenizer)

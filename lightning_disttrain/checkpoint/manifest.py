@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -76,12 +78,99 @@ class Manifest:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        raw = json.loads(text)
-        if raw.get("format") != FORMAT:
-            raise ValueError(f"not a {FORMAT} manifest (format={raw.get('format')!r})")
-        raw["files"] = {k: FileEntry(**v) for k, v in raw["files"].items()}
-        return cls(**raw)
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse and validate (``validate_manifest``); ``ValueError`` naming the first defect."""
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"is {len(text)} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
+        try:
+            raw = json.loads(text, parse_constant=_no_constant)
+        except RecursionError as err:
+            raise ValueError("nests too deeply") from err
+        return validate_manifest(raw)
+
+
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest larger than this is refused unread (a million files take about 130 MB... of JSON
+at most half of that in practice: ~100 bytes per entry)."""
+MAX_FILES = 1_000_000
+MAX_EXTRA_DEPTH = 16
+_MAX_UNIX = 253402300799.0  # 9999-12-31: datetime refuses later times (OverflowError)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_FIELDS = {"files", "world_size", "global_step", "epoch", "created_unix", "extra", "format", "version"}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"holds {name}, not a finite number")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_relative_path(rel: Any) -> str | None:
+    """Why ``rel`` is not a path inside a checkpoint ('/'-separated, relative, no '..'), or None."""
+    if not isinstance(rel, str) or not rel:
+        return f"{rel!r} is not a file name"
+    if len(rel) > 4096 or "\\" in rel or "\0" in rel or rel.startswith("/") or re.match(r"^[A-Za-z]:", rel):
+        return f"{rel!r} is not a relative path inside the checkpoint"
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        return f"{rel!r} is not a plain relative path inside the checkpoint (empty, '.' or '..' parts)"
+    return None
+
+
+def _depth_ok(value: Any, depth: int) -> bool:
+    if depth > MAX_EXTRA_DEPTH:
+        return False
+    if isinstance(value, dict):
+        return all(_depth_ok(v, depth + 1) for v in value.values())
+    if isinstance(value, list):
+        return all(_depth_ok(v, depth + 1) for v in value)
+    return True
+
+
+def validate_manifest(raw: Any) -> Manifest:
+    """A :class:`Manifest` from parsed JSON, or ``ValueError`` naming what is wrong: the schema,
+    each field's type, finite numbers, file names that are relative paths inside the checkpoint,
+    bounded size and nesting. Whoever wrote the directory wrote the manifest: it is input, not truth."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"is a JSON {type(raw).__name__}, not an object")
+    if raw.get("format") != FORMAT:
+        raise ValueError(f"is not a {FORMAT} manifest (format={str(raw.get('format'))[:80]!r})")
+    if unknown := sorted(set(raw) - _FIELDS):
+        raise ValueError(f"has unknown fields {unknown[:5]}")
+    if not _is_int(raw.get("version", FORMAT_VERSION)):
+        raise ValueError("has a version that is not an integer")
+    files = raw.get("files")
+    if not isinstance(files, dict):
+        raise ValueError("has no `files` object")
+    if len(files) > MAX_FILES:
+        raise ValueError(f"lists {len(files)} files, more than {MAX_FILES}")
+    entries = {}
+    for rel, entry in files.items():
+        if why := check_relative_path(rel):
+            raise ValueError(f"lists {why}")
+        if rel == MANIFEST_NAME or rel.startswith(MANIFEST_NAME + "."):
+            raise ValueError(f"lists itself ({rel!r})")
+        if (not isinstance(entry, dict) or set(entry) != {"sha256", "bytes"} or not isinstance(entry["sha256"], str)
+                or not _SHA256.match(entry["sha256"]) or not _is_int(entry["bytes"]) or entry["bytes"] < 0):
+            raise ValueError(f"has a malformed entry for {rel!r} (want {{\"sha256\": 64 hex digits, \"bytes\": n >= 0}})")
+        entries[rel] = FileEntry(entry["sha256"], entry["bytes"])
+    world_size = raw.get("world_size", 1)
+    if not _is_int(world_size) or not 1 <= world_size <= 1 << 24:
+        raise ValueError(f"has world_size={str(world_size)[:40]}, not a positive integer")
+    for key in ("global_step", "epoch"):
+        value = raw.get(key)
+        if value is not None and (not _is_int(value) or not 0 <= value < 1 << 62):
+            raise ValueError(f"has {key}={str(value)[:40]}, not a non-negative integer or null")
+    created = raw.get("created_unix", 0.0)
+    if (not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created)
+            or not 0 <= created <= _MAX_UNIX):
+        raise ValueError(f"has created_unix={str(created)[:40]}, not a time between 1970 and 9999")
+    extra = raw.get("extra", {})
+    if not isinstance(extra, dict) or not _depth_ok(extra, 0):
+        raise ValueError(f"has an `extra` that is not an object nested at most {MAX_EXTRA_DEPTH} deep")
+    return Manifest(files=entries, world_size=world_size, global_step=raw.get("global_step"), epoch=raw.get("epoch"),
+                    created_unix=float(created), extra=extra, format=FORMAT, version=raw.get("version", FORMAT_VERSION))
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -151,9 +240,19 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> Manifest:
             path, "is missing, so the checkpoint is incomplete (the save was interrupted or an "
                   "async save had not finished)")
     try:
-        return Manifest.from_json(path.read_text())
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointVerificationError(path, f"is unreadable ({err})") from err
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"is {path.stat().st_size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
+        return Manifest.from_json(path.read_bytes())
+    except _MALFORMED as err:
+        raise CheckpointVerificationError(path, f"is malformed ({_short(err)})") from err
+
+
+# Whatever parsing a hostile manifest raises: all of it means "skip this checkpoint".
+_MALFORMED = (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError, UnicodeDecodeError)
+
+
+def _short(err: BaseException) -> str:
+    return str(err)[:300]
 
 
 def _read_url_manifest(url: str) -> Manifest:
@@ -167,9 +266,11 @@ def _read_url_manifest(url: str) -> Manifest:
             path, "is missing, so the checkpoint is incomplete (the save was interrupted or an "
                   "async save had not finished)")
     try:
-        return Manifest.from_json(storage.url_read(path).decode())
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointVerificationError(path, f"is unreadable ({err})") from err
+        if storage.url_size(path) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"is more than the {MAX_MANIFEST_BYTES} bytes a manifest may have")
+        return Manifest.from_json(storage.url_read(path))
+    except _MALFORMED as err:
+        raise CheckpointVerificationError(path, f"is malformed ({_short(err)})") from err
 
 
 Problem = tuple[str, str]
@@ -190,8 +291,13 @@ def check_files(ckpt_dir: str | os.PathLike, manifest: Manifest, rel_paths: Iter
     problems = []
     for rel in rel_paths:
         entry, path = manifest.files[rel], locate(rel)
+        if why := check_relative_path(rel):  # validate_manifest refuses these; a Manifest built in code may not
+            problems.append((rel, f"is not checked: {why}"))
+            continue
         try:
-            if not exists(path):
+            if not storage.is_url(ckpt_dir) and path.is_symlink():
+                problems.append((rel, "is a link; a checkpoint's files are regular files inside it"))
+            elif not exists(path):
                 problems.append((rel, f"is missing (listed in {MANIFEST_NAME})"))
             elif (size := size_of(path)) != entry.bytes:
                 kind = "truncated" if size < entry.bytes else "longer than recorded"

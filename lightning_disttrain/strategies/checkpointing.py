@@ -74,9 +74,17 @@ class DCPCheckpointMixin:
 
     checkpoint_verify: bool = True
     """Check every file against the manifest before loading (a corrupted shard fails loudly)."""
+    trust_checkpoint: bool = False
+    """Load checkpoints with plain unpickling: DCP's ``.metadata`` and ``meta.pt`` may then hold
+    any object, and unpickling them can run code from the checkpoint. Off (default): ``.metadata``
+    resolves only the types DCP's metadata is made of, ``meta.pt`` is read with
+    ``torch.load(weights_only=True)``, and anything else is refused (``checkpoint.safe_load``).
+    Set it only for checkpoints whose writer you trust."""
     checkpoint_weights_only: bool = True
-    """``torch.load(weights_only=...)`` for ``meta.pt`` when Lightning does not say; set False to
-    unpickle arbitrary objects saved in hyper-parameters or callback state (trusted files only)."""
+    """``torch.load(weights_only=...)`` for ``meta.pt`` when Lightning does not say and
+    ``trust_checkpoint`` is off; False unpickles arbitrary objects saved in hyper-parameters or
+    callback state (trusted files only). It does not lift the restriction on DCP's ``.metadata``:
+    only ``trust_checkpoint`` does."""
     on_save_error: str = "stop"
     """A checkpoint that cannot be written (disk full): ``"stop"`` raises on every rank, ``"warn"``
     logs and trains on (the next save tries again). Either way the previous checkpoints stay valid."""
@@ -140,10 +148,15 @@ class DCPCheckpointMixin:
         comm = writer.comm()
         asked = storage.location(comm.broadcast(str(checkpoint_path)))
         path = self._resolve_checkpoint(asked, comm)
-        meta = load_meta(path, self.checkpoint_weights_only if weights_only is None else weights_only)
+        trust = bool(self.trust_checkpoint)
+        if weights_only is None:
+            weights_only = self.checkpoint_weights_only and not trust
         module = self.lightning_module
         optimizers = [unwrap_optimizer(o) for o in self.optimizers] if self._fitting() else []
-        load_sharded(path, module, optimizers, comm, strict=getattr(module, "strict_loading", True))
+        # DCP's .metadata first (every rank reads it, so a refusal is every rank's), then meta.pt.
+        load_sharded(path, module, optimizers, comm, strict=getattr(module, "strict_loading", True),
+                     trust_checkpoint=trust)
+        meta = load_meta(path, weights_only)
         self._stage_rng_restore(path, comm)
         if path != asked:
             self._name_loaded_checkpoint(path)

@@ -126,7 +126,9 @@ def test_export_file_is_versioned_and_says_where_it_came_from(gpt_ckpt, tmp_path
     assert raw["format"] == EXPORT_FORMAT and raw["format_version"] == 1 and raw["contents"] == "model"
     assert raw["model_config"] == asdict(GPTConfig.from_name("tiny", vocab_size=VOCAB, n_layer=2))
     assert raw["hyper_parameters"]["lr"] == 6e-4
-    assert raw["source"]["checkpoint"] == str(gpt_ckpt.resolve()) and raw["source"]["global_step"] == 2
+    # a name, not the local absolute path: the file is meant for sharing
+    assert raw["source"]["checkpoint"] == gpt_ckpt.resolve().name and raw["source"]["global_step"] == 2
+    assert str(gpt_ckpt.parent) not in repr(raw["source"])
     assert not any(k.startswith("model.") for k in raw["state_dict"])
 
 
@@ -189,7 +191,10 @@ def test_hyper_parameters_that_need_unpickling_are_left_out(trained, tmp_path):
     with pytest.warns(UserWarning, match="without its hyper-parameters or model config"):
         out = export_consolidated(ckpt, tmp_path / "m.pt")
     assert read_exported(out).model_config is None
-    full = export_consolidated(ckpt, tmp_path / "full.pt", model_only=False)  # keeps them, as saved
+    # A full export keeps them as saved, which unpickles meta.pt fully: only when trusted.
+    with pytest.raises(ValueError, match="refusing to load .*meta.pt.*--trust-checkpoint"):
+        export_consolidated(ckpt, tmp_path / "full.pt", model_only=False)
+    full = export_consolidated(ckpt, tmp_path / "full.pt", model_only=False, trust_checkpoint=True)
     with pytest.raises(ValueError, match="if you trust the file, pass weights_only=False"):
         GPT.from_exported(full)
     assert GPT.from_exported(full, weights_only=False).config == module.model.config
