@@ -177,12 +177,15 @@ class PreemptionCheckpoint(Callback):
         exit_code: the exit status of every rank after the save (143 = 128 + SIGTERM; a non-zero
             status makes torchrun's ``--max-restarts`` and Kubernetes restart the job).
         requeue: under SLURM, ``scontrol requeue`` the job after the save (global rank 0).
+        save: False: agree and exit with ``exit_code`` on every rank, saving nothing (what the
+            lightning-disttrain strategies add when a run has no ``PreemptionCheckpoint``, so
+            that a signal never leaves ranks hanging; see ``ensure_signal_safety``).
     """
 
     def __init__(self, dirpath: str | os.PathLike | None = None, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
                  notice: Notice | None = None, poll_interval_s: float = 5.0, check_every_n_steps: int = 1,
                  grace_period_s: float | str = "auto", exit_code: int = 143, requeue: bool = True,
-                 stop_validation: bool = True) -> None:
+                 stop_validation: bool = True, save: bool = True) -> None:
         unknown = [s for s in signals if s not in SIGNALS]
         if unknown:
             raise ValueError(f"signals={list(signals)}: unknown {unknown}; choose from {sorted(SIGNALS)}")
@@ -198,6 +201,7 @@ class PreemptionCheckpoint(Callback):
         self.notice, self.poll_interval_s = notice, poll_interval_s
         self.check_every_n_steps, self.grace_period_s = check_every_n_steps, grace_period_s
         self.exit_code, self.requeue, self.stop_validation = exit_code, requeue, stop_validation
+        self.save = save
         self.reason: str | None = None
         """Why this rank wants to stop (set by a signal handler or the notice thread), else None."""
         self.agreement_seconds: list[float] = []
@@ -254,7 +258,8 @@ class PreemptionCheckpoint(Callback):
             self.reason = None
             self._checked_step = -1
             self._take_over_lightnings_handlers(trainer)
-            self._resolve_auto_on_restore(trainer)
+            if self.save:
+                self._resolve_auto_on_restore(trainer)
 
     def _resolve_auto_on_restore(self, trainer: pl.Trainer) -> None:
         # Lightning passes ckpt_path="auto" through unchanged (not one of its names) to the restore,
@@ -286,6 +291,8 @@ class PreemptionCheckpoint(Callback):
         return found
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.save:
+            return
         # Every ModelCheckpoint has resolved its directory by now (its setup runs after ours).
         self.dirpath = self.dirpath or self._default_dirpath(trainer)
         dirs = {self.dirpath} | {str(cb.dirpath) for cb in trainer.checkpoint_callbacks
@@ -305,7 +312,7 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.save:
             self._keep_last_link(trainer)
         step = trainer.global_step
         if step == self._checked_step or step % self.check_every_n_steps:
@@ -324,7 +331,7 @@ class PreemptionCheckpoint(Callback):
             self._save_and_exit(trainer, in_validation=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.save:
             self._keep_last_link(trainer)
 
     def _keep_last_link(self, trainer: pl.Trainer) -> None:
@@ -378,6 +385,15 @@ class PreemptionCheckpoint(Callback):
         start, step = time.monotonic(), trainer.global_step
         why = f"rank {trainer.global_rank}: {self.reason}" if self.reason else "signalled on another rank"
         where = " in a validation" if in_validation else ""
+        if not self.save:
+            if trainer.is_global_zero or self.reason is not None:
+                log.warning("Stopped at step %d%s (%s): this run has no PreemptionCheckpoint, so nothing was saved; "
+                            "every rank exits with code %d. To save on preemption and resume: "
+                            "--trainer.callbacks+=lightning_disttrain.callbacks.PreemptionCheckpoint --ckpt_path auto "
+                            "(Python: callbacks=[PreemptionCheckpoint()], trainer.fit(..., ckpt_path='auto'))",
+                            step, where, why, self.exit_code)
+            _stop_child_observer()
+            raise PreemptionExit(self.exit_code, None, step)
         path = _join(self.dirpath, f"preempted-step={step:06d}.ckpt")
         watchdog = _Deadline(self.grace_period_s, self.exit_code, path)
         failure: BaseException | None = None
@@ -396,7 +412,8 @@ class PreemptionCheckpoint(Callback):
                 seconds = time.monotonic() - start
                 if trainer.is_global_zero:
                     log.warning("Preempted%s (%s): saved step %d to %s in %.1f s (complete, manifest written); "
-                                "exiting with code %d. Resume with trainer.fit(..., ckpt_path='last').",
+                                "exiting with code %d. Resume: the same command with --ckpt_path last (or auto), or "
+                                "trainer.fit(..., ckpt_path='last') from Python.",
                                 where, why, step, path, seconds, self.exit_code)
                     if self.requeue:
                         _slurm_requeue()
@@ -516,6 +533,15 @@ def _point_last_at(path: Path) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(path.name)
     os.replace(tmp, link)  # atomic: ckpt_path="last" never sees a missing link
+
+
+def ensure_signal_safety(trainer: pl.Trainer) -> None:
+    """Give a run without a ``PreemptionCheckpoint`` one that saves nothing: a SIGTERM / SIGUSR1 on
+    any rank (or on the launcher, which is rank 0) then makes every rank agree at the next step
+    boundary and exit with code 143 and one message, instead of Lightning's handler, which
+    broadcasts inside the signal handler and leaves the ranks waiting on each other for good."""
+    if not any(isinstance(cb, PreemptionCheckpoint) for cb in trainer.callbacks):
+        trainer.callbacks.append(PreemptionCheckpoint(save=False))
 
 
 def _all_gather_objects(obj: Any) -> list[Any]:

@@ -268,6 +268,13 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
                 enable_async_tp(self.parallel_dims.get_mesh("tp"))
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._device_mesh
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                # Safe on SIGTERM without asking: a run with no PreemptionCheckpoint gets one that
+                # saves nothing but makes every rank agree and exit (callbacks/preemption.py).
+                from lightning_disttrain.callbacks.preemption import ensure_signal_safety
+
+                ensure_signal_safety(trainer)
 
     # -- model setup ------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@
                                                # SIGTERMed during step 3, resumed with "auto"; last, a
                                                # run whose rank 1 alone is SIGTERMed during step 5
     python preemption_run.py second DATA OUT   # that run resumed with ckpt_path="last", val_preempted
-                                               # with ckpt_path="auto"; then the same run uninterrupted
+                                               # with ckpt_path="auto"; no_callback: a run without a
+                                               # PreemptionCheckpoint whose rank 1 is SIGTERMed in step
+                                               # 3; then the same run uninterrupted
                                                # from scratch (the reference losses), whose rank 1 is
                                                # SIGKILLed while writing its step-8 checkpoint
 
@@ -189,6 +191,12 @@ def second(data: str, out: Path) -> None:
     # No ModelCheckpoint(save_last=...): "last" is the link the preemption save left.
     _fit(out, "resumed", data, out / "pre_ckpt", [PreemptionCheckpoint()], ckpt_path="last")
     _fit(out, "val_resumed", data, out / "val_ckpt", [PreemptionCheckpoint()], ckpt_path="auto")
+    # No PreemptionCheckpoint at all: SIGTERM on rank 1 during step 3 must still stop every rank at the
+    # step boundary (the strategy's save-nothing PreemptionCheckpoint), not hang in Lightning's handler.
+    try:
+        _fit(out, "no_callback", data, out / "nocb_ckpt", [SignalSelf(rank=1, at=3, signum=signal.SIGTERM)])
+    except PreemptionExit:
+        pass
     _kill_rank1_during_write_of(out, "step=008")
     _fit(out, "reference", data, out / "kill_ckpt", [PreemptionCheckpoint()])
 

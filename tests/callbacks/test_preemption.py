@@ -9,7 +9,8 @@ Two launches of 2 gloo ranks (tests/callbacks/preemption_run.py) carry the multi
   rank 0 gets SIGTERM during step 3, relaunched with "auto"; a run whose rank 1 alone gets SIGTERM
   during step 5;
 - "second": that run resumed with ckpt_path="last" (no save_last); the validation run resumed with
-  ckpt_path="auto"; then the same run from scratch, uninterrupted
+  ckpt_path="auto"; a run without any PreemptionCheckpoint whose rank 1 gets SIGTERM in step 3;
+  then the same run from scratch, uninterrupted
   (the reference losses) until rank 1 is SIGKILLed while its step-8 checkpoint is being written
   (async save in flight).
 The rest runs in this process (one device, Lightning's own strategy) or needs no Trainer.
@@ -103,6 +104,17 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_exits_with_the_code(launche
     assert "step=004.ckpt" in launches["pre_listing"]
     assert read_manifest(path.parent / "step=004.ckpt").global_step == 4
     assert "Preempted (signalled on another rank): saved step 5" in output
+
+
+@pytest.mark.slow
+def test_without_the_callback_a_sigterm_on_one_rank_stops_every_rank_instead_of_hanging(launches):
+    # Before: Lightning's handler broadcast inside the signal handler and both ranks hung for good.
+    _, _, output = launches["second"]
+    ranks = _ranks(launches["out"], "no_callback")
+    assert [r["exit_code"] for r in ranks] == [143, 143], [r.get("error") for r in ranks]
+    assert [r["step"] for r in ranks] == [3, 3] and [r["path"] for r in ranks] == [None, None]
+    assert "this run has no PreemptionCheckpoint, so nothing was saved" in output
+    assert "--trainer.callbacks+=lightning_disttrain.callbacks.PreemptionCheckpoint" in output
 
 
 @pytest.mark.slow
