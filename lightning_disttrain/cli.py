@@ -10,20 +10,27 @@ consolidated single-file state dict from a sharded checkpoint, or a Hugging Face
 Errors: a class that refuses its configuration is reported as one line naming the config key
 (``error: trainer.strategy: NDParallelStrategy(pp=2) is not supported yet: ...``); an error during
 a multi-process run is printed once, last, by rank 0 (see ``rank_errors.py``). ``LDT_TRACEBACK=1``
-adds the tracebacks.
+adds the tracebacks. A config the parser refuses (an unknown key, a ``class_path`` that does not
+import) is one ``error:`` line with a "did you mean" where one is close, not the usage text; an
+unknown strategy name suggests ours. ``prepare``/``export``/``plan``/``eval`` report an expected
+failure (a missing or corrupt checkpoint, a bad path or value) as ``error: <command>: <message>``.
+``LDT_DEBUG=1`` (or ``LDT_TRACEBACK=1``) restores the full text and the tracebacks.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
+import pickle
+import re
 import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_disttrain  # noqa: F401  (registers strategy names; callbacks importable by class_path)
 from lightning_disttrain.rank_errors import ENV_TRACEBACK, RunErrors
@@ -37,6 +44,81 @@ _TOOLS = {
     "eval": ("lightning_disttrain.evals.command", "eval_main",
              "evaluate a checkpoint (directory or exported file) on zero-shot tasks and held-out loss"),
 }
+
+
+ENV_DEBUG = "LDT_DEBUG"
+
+
+def debug_enabled() -> bool:
+    """``LDT_DEBUG=1`` or ``LDT_TRACEBACK=1``: full error texts and tracebacks."""
+    return any(os.environ.get(var, "0") not in ("", "0") for var in (ENV_DEBUG, ENV_TRACEBACK))
+
+
+_EXPECTED_TOOL_ERRORS = (ValueError, OSError, pickle.UnpicklingError, EOFError)
+"""What ``prepare``/``export``/``plan``/``eval`` raise for a bad input (a missing or corrupt
+checkpoint is a ``CheckpointVerificationError``, a ValueError): one line, no traceback."""
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _class_path_hint(message: str) -> str | None:
+    """For a ``class_path`` that does not import: which one, and the closest name that does."""
+    for path in re.findall(r"'class_path': '([\w.]+)'", message):
+        if _resolve(path) is not None:
+            continue
+        module_name, _, name = path.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            return f"class_path {path!r}: no module {module_name!r}"
+        names = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n, None), type)]
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        return f"class_path {path!r} does not exist" + (f"; did you mean '{module_name}.{close[0]}'?" if close else
+                                                        f" ({module_name} has no {name!r})")
+    return None
+
+
+class _ShortErrorParser(LightningArgumentParser):
+    """jsonargparse's errors as one line: no usage text first, a "did you mean" for a misspelt key or
+    class. The full text with ``LDT_DEBUG=1``."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if debug_enabled() or not self.exit_on_error:
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        unknown = re.search(r"does not accept option '([^']+)'", message)
+        if unknown:
+            keys = [a.dest for a in parser._actions if a.dest and a.dest != "help"]
+            short = message.splitlines()[0] + _did_you_mean(unknown.group(1), keys)
+        else:
+            short = _class_path_hint(message)
+            if short is None:
+                lines = [line for line in message.splitlines() if line.strip()]
+                short = lines[0] if len(lines) <= 6 else f"{lines[0]} (... {len(lines) - 1} more lines with {ENV_DEBUG}=1)"
+        sys.stderr.write(f"error: {short}\n(options: {prog} --help)\n")
+        self.exit(2)
+
+
+def _our_strategy_names() -> list[str]:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return [name for name, entry in StrategyRegistry.items()
+            if getattr(entry.get("strategy"), "__module__", "").startswith("lightning_disttrain")]
+
+
+def _strategy_hint(message: str) -> str | None:
+    """An unknown strategy name: ours, with the closest one, instead of Lightning's list."""
+    found = re.search(r"invalid strategy name: `strategy='([^']*)'`", message)
+    if not found:
+        return None
+    ours = _our_strategy_names()
+    return (f"unknown strategy {found.group(1)!r}{_did_you_mean(found.group(1), ours)} lightning-disttrain registers "
+            f"{', '.join(ours)}; or give a class_path, e.g. lightning_disttrain.strategies.NDParallelStrategy "
+            f"(Lightning's own names work too: ddp, fsdp, ...)")
 
 
 @dataclass
@@ -84,6 +166,7 @@ class DistTrainCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_class", _ShortErrorParser)
         super().__init__(L.LightningModule, L.LightningDataModule, *args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
@@ -114,10 +197,12 @@ class DistTrainCLI(LightningCLI):
         if failure is None:
             raise exc  # not a constructor refusing its arguments: keep the whole story
         root = failure.exc
-        if os.environ.get(ENV_TRACEBACK, "0") not in ("", "0"):
+        if debug_enabled():
             traceback.print_exception(root, file=sys.stderr)
         key = failure.key or self._config_key(failure) or getattr(failure.class_type, "__name__", "config")
         message = str(root) if isinstance(root, ValueError) else f"{type(root).__name__}: {root}"
+        if (hint := _strategy_hint(message)) is not None:
+            key, message = "trainer.strategy", hint
         sys.stderr.write(f"error: {key}: {message}\n")
         raise SystemExit(2)
 
@@ -178,7 +263,14 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _TOOLS:
         module, fn, _ = _TOOLS[argv[0]]
-        getattr(importlib.import_module(module), fn)(argv[1:])
+        try:
+            getattr(importlib.import_module(module), fn)(argv[1:])
+        except _EXPECTED_TOOL_ERRORS as exc:
+            if debug_enabled():
+                raise
+            message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            sys.stderr.write(f"error: {argv[0]}: {message}\n({ENV_DEBUG}=1 shows the traceback)\n")
+            raise SystemExit(2) from None
         return
     if argv and argv[0] in ("-h", "--help"):
         print("usage: lightning-disttrain {fit,validate,test,predict,prepare,export,plan,eval} ...\n")

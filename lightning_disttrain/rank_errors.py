@@ -57,6 +57,11 @@ _PEER_GONE = re.compile(
     r"ProcessGroup\w*.*(abort|shut ?down)|Socket Timeout|Connection refused", re.IGNORECASE)
 
 
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+"""Errors that name what to change (ours are ValueErrors, a corrupt checkpoint's included): the
+summary line without the traceback, unless ``LDT_TRACEBACK=1`` / ``LDT_DEBUG=1``."""
+
+
 def is_secondary(exc: BaseException) -> bool:
     """True for a failure caused by another process failing: a broken collective, or termination."""
     import torch.distributed as dist
@@ -80,11 +85,13 @@ class Record:
     type: str
     message: str
     traceback: str
+    user_error: bool = False
+    """An expected failure whose message says what to change (``USER_ERRORS``): no traceback."""
 
     @classmethod
     def of(cls, exc: BaseException, rank: int) -> Record:
         return cls(rank, not is_secondary(exc), type(exc).__name__, str(exc),
-                   "".join(traceback.format_exception(exc)))
+                   "".join(traceback.format_exception(exc)), isinstance(exc, USER_ERRORS))
 
 
 def _current_rank() -> int:
@@ -252,16 +259,16 @@ def format_report(records: list[Record], world: int) -> str:
     groups: dict[tuple[str, str], list[Record]] = {}
     for record in shown:
         groups.setdefault((record.type, record.message), []).append(record)
-    want_tracebacks = os.environ.get(ENV_TRACEBACK, "0") not in ("", "0")
+    want_tracebacks = any(os.environ.get(var, "0") not in ("", "0") for var in (ENV_TRACEBACK, "LDT_DEBUG"))
     lines: list[str] = []
     hidden = False
     for (kind, _), group in groups.items():
-        if want_tracebacks or kind != "ValueError":
+        if want_tracebacks or not (kind == "ValueError" or group[0].user_error):
             lines.append(group[0].traceback.rstrip())
         else:
             hidden = True
     if hidden:
-        lines.append(f"(the traceback is not shown for a ValueError; {ENV_TRACEBACK}=1 shows it)")
+        lines.append(f"(the traceback is not shown for an error that says what to change; {ENV_TRACEBACK}=1 shows it)")
     if shown and not shown[0].primary:
         lines.append("every failing process failed in communication: the one that failed first may have "
                      "been killed without a Python error (out of memory?); its own output above may say why.")

@@ -53,7 +53,7 @@ class CheckpointEval(L.Callback):
     Args:
         tasks: eval tasks (``heldout``, ``lambada_openai``, ``piqa``, ``arc_easy``, ``arc_challenge``,
             ``winogrande``, ``copa``, ``openbook_qa``, ``hellaswag``, or ``NAME=FILE.jsonl``).
-        data_dir: directory of local JSONL sets (layout of ``../shared/evals``); None: the
+        data_dir: directory of local JSONL sets (llm-foundry's layout), ``"bundled"`` (the package's samples) or ``"hub"``; None: the
             ``LDT_EVAL_DATA`` environment variable, else the hub through ``datasets``.
         limit: the first N items of each task (evals stay fast; None: all).
         batch_size / max_length: sequences per forward / longest sequence (None: the model's block size).

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,15 +32,21 @@ import torch
 from lightning_disttrain.evals.suite import EvalResults, EvalSuite
 
 
+DEFAULT_TASKS = "lambada_openai,piqa,arc_easy,winogrande,copa"
+"""The command's default tasks: scored on the bundled samples when no data directory is given."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-disttrain eval",
                                 description="Evaluate a saved checkpoint on zero-shot tasks and held-out loss.")
     p.add_argument("ckpt", help="checkpoint directory, a directory of them with --latest, or an exported file")
-    p.add_argument("--tasks", default="heldout",
-                   help="comma-separated: heldout, lambada_openai, piqa, arc_easy, arc_challenge, winogrande, copa, "
-                        "openbook_qa, hellaswag, or NAME=FILE.jsonl / NAME=hub:org/dataset")
-    p.add_argument("--data-dir", default=None, help="directory of local JSONL sets (layout of ../shared/evals); "
-                                                     "default: $LDT_EVAL_DATA, else the hub via `datasets`")
+    p.add_argument("--tasks", default=DEFAULT_TASKS,
+                   help="comma-separated: heldout (needs --heldout FILE), lambada_openai, piqa, arc_easy, arc_challenge, "
+                        "winogrande, copa, openbook_qa, hellaswag, or NAME=FILE.jsonl / NAME=hub:org/dataset "
+                        f"(default: {DEFAULT_TASKS})")
+    p.add_argument("--data-dir", default=None,
+                   help="directory of JSONL sets (llm-foundry's layout), 'bundled' (50 items per set, shipped with "
+                        "the package) or 'hub' (the full sets via `datasets`); default: $LDT_EVAL_DATA, else bundled")
     p.add_argument("--limit", type=int, default=None, help="the first N items of each task")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=None, help="default: the model's block size")
@@ -56,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the results as the checkpoint directory's evals.json (listed in its manifest)")
     p.add_argument("--latest", action="store_true", help="CKPT is a directory of checkpoints: the newest complete one")
     p.add_argument("--allow-failed", action="store_true", help="with --latest, also consider checkpoints the eval gate failed")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="read the checkpoint's DCP .metadata with plain unpickling, which can run code: only for "
+                        "checkpoints whose writer you trust (without it anything beyond plain data is refused)")
     return p
 
 
@@ -73,9 +83,10 @@ def _resolve(args: argparse.Namespace) -> Path:
     return path
 
 
-def load_module(path: Path) -> tuple[Any, dict[str, Any]]:
+def load_module(path: Path, trust_checkpoint: bool = False) -> tuple[Any, dict[str, Any]]:
     """The GPTModule with the weights of ``path`` (a checkpoint directory or an exported file), and
-    the data module's hyper-parameters stored with it (``{}`` when none)."""
+    the data module's hyper-parameters stored with it (``{}`` when none). Nothing from the file is
+    unpickled beyond plain data unless ``trust_checkpoint``."""
     from lightning_disttrain.checkpoint.consolidate import DEFAULT_PREFIX, _read_dcp, read_exported, strip_prefix
     from lightning_disttrain.checkpoint.dcp_io import MODEL_KEY, load_meta
     from lightning_disttrain.checkpoint.manifest import verify_checkpoint
@@ -90,7 +101,7 @@ def load_module(path: Path) -> tuple[Any, dict[str, Any]]:
             if "config" not in hparams:
                 raise ValueError(f"{str(path)!r} was not saved from a GPTModule (no `config` hyper-parameter); "
                                  f"the eval command rebuilds GPTModule checkpoints only")
-            state = strip_prefix(_read_dcp(path, {MODEL_KEY})[MODEL_KEY], DEFAULT_PREFIX)
+            state = strip_prefix(_read_dcp(path, {MODEL_KEY}, trust_checkpoint)[MODEL_KEY], DEFAULT_PREFIX)
             data_hparams = dict(meta.get("datamodule_hyper_parameters") or {})
         else:
             exported = read_exported(path, prefix=DEFAULT_PREFIX)
@@ -119,12 +130,22 @@ def evaluate_checkpoint(args: argparse.Namespace) -> EvalResults | None:
 
     import lightning_disttrain.strategies  # noqa: F401  (registers fsdp2)
     from lightning_disttrain.data import get_tokenizer
+    from lightning_disttrain.evals.tasks import BUNDLED, ENV_DATA_DIR, HELDOUT, load_task
 
     path = _resolve(args)
-    suite = EvalSuite(tasks=args.tasks, data_dir=args.data_dir, limit=args.limit, batch_size=args.batch_size,
+    data_dir = args.data_dir or os.environ.get(ENV_DATA_DIR) or BUNDLED
+    suite = EvalSuite(tasks=args.tasks, data_dir=data_dir, limit=args.limit, batch_size=args.batch_size,
                       max_length=args.max_length, heldout=args.heldout or "val", heldout_windows=args.heldout_windows,
                       heldout_seq_len=args.heldout_seq_len)
-    module, data_hparams = load_module(path)
+    # Everything that can be checked without the model is checked here, in the one process the user
+    # started, before Lightning launches the other ranks: a bad task or file is one error, at once.
+    if HELDOUT in suite.names and not args.heldout:
+        raise ValueError("the heldout task needs --heldout FILE here (a .txt, .bin or .pt corpus; the eval command "
+                         "has no data module to take a validation set from)")
+    for spec, name in zip(suite.tasks, suite.names):
+        if name != HELDOUT:
+            load_task(spec, data_dir, args.limit)
+    module, data_hparams = load_module(path, trust_checkpoint=getattr(args, "trust_checkpoint", False))
     tokenizer = get_tokenizer(_tokenizer_name(args, module, data_hparams))
     runner = _RunSuite(suite, tokenizer)
     strategy = args.strategy or ("fsdp2" if args.devices > 1 else "auto")
@@ -140,7 +161,7 @@ def evaluate_checkpoint(args: argparse.Namespace) -> EvalResults | None:
 
     results = runner.results
     manifest = read_manifest(path) if path.is_dir() else None
-    print_results(results, manifest.global_step if manifest else None, f" ({path})")
+    print_results(results, manifest.global_step if manifest else None, f" ({path})")  # no step: an exported file
     if args.output:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,5 +188,17 @@ def eval_main(argv: Sequence[str] | None = None) -> EvalResults | None:
     args = build_parser().parse_args(argv)
     try:
         return evaluate_checkpoint(args)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from err
+    except (ValueError, FileNotFoundError) as err:
+        if _launched_rank():
+            raise SystemExit(1) from None  # rank 0 meets the same error and reports it, once
+        if os.environ.get("LDT_DEBUG", "0") not in ("", "0"):
+            raise
+        raise SystemExit(f"error: eval: {err}") from None  # printed by Python, exit status 1
+
+
+def _launched_rank() -> bool:
+    """Whether this process is a rank other than 0 (launched by Lightning for ``--devices N``)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    rank = getattr(rank_zero_only, "rank", None)
+    return int(rank if rank is not None else os.environ.get("LOCAL_RANK", "0") or 0) != 0

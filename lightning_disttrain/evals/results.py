@@ -66,12 +66,13 @@ def read_evals(ckpt: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def print_results(results: EvalResults, step: int | None, title_extra: str = "") -> None:
-    """One table of every task's metrics (call on rank 0)."""
+    """One table of every task's metrics (call on rank 0). ``step`` None (an exported file, which
+    carries no step): the title names no step."""
     from rich.console import Console
     from rich.table import Table
 
     metric_names = sorted({m for values in results.metrics.values() for m in values})
-    table = Table(title=f"evals at step {step}{title_extra}")
+    table = Table(title=("evals" if step is None else f"evals at step {step}") + title_extra)
     table.add_column("task")
     for m in metric_names:
         table.add_column(m, justify="right")

@@ -53,7 +53,7 @@ class EvalSuite:
     Args:
         tasks: task names (``piqa``, ``lambada_openai``, ..., ``heldout``), or ``NAME=FILE.jsonl`` /
             ``NAME=hub:org/dataset`` (``evals.tasks``).
-        data_dir: directory of local JSONL sets (the layout of ``../shared/evals``); None: the
+        data_dir: directory of local JSONL sets (llm-foundry's layout), ``"bundled"`` (the package's samples) or ``"hub"``; None: the
             ``LDT_EVAL_DATA`` environment variable, else the hub through ``datasets``.
         limit: the first N items of each task (None: all of them).
         batch_size: sequences per forward.

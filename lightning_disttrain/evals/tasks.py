@@ -94,8 +94,22 @@ def parse_task(spec: str) -> tuple[str, str | None]:
     return name, source
 
 
+BUNDLED = "bundled"
+"""``data_dir`` value for the samples shipped with the package (``SAMPLES_DIR``)."""
+HUB = "hub"
+"""``data_dir`` value for the hub (through ``datasets``), whatever ``LDT_EVAL_DATA`` says."""
+SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
+"""The first 50 items of each known set (``samples/README.md``: source and licences)."""
+
+
 def default_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
+    """The directory of JSONL sets: ``data_dir``, else ``$LDT_EVAL_DATA``; ``"bundled"``: the
+    package's samples; ``"hub"`` or nothing given: None (the hub)."""
     given = data_dir if data_dir is not None else os.environ.get(ENV_DATA_DIR)
+    if given == BUNDLED:
+        return SAMPLES_DIR
+    if given == HUB:
+        return None
     return Path(given).expanduser() if given else None
 
 
@@ -132,7 +146,8 @@ def load_task(spec: str, data_dir: str | os.PathLike | None = None, limit: int |
 def read_jsonl(path: str | os.PathLike, name: str = "") -> list[dict[str, Any]]:
     path = Path(path).expanduser()
     if not path.is_file():
-        hint = (f"pass data_dir= a directory holding {path.name} (the layout of ../shared/evals), set "
+        hint = (f"pass data_dir= a directory holding {path.name} (llm-foundry's JSONL layout), 'bundled' (the "
+                f"package's small samples) or 'hub', set "
                 f"{ENV_DATA_DIR}, or name the file: '{name}=path/to/file.jsonl'")
         raise ValueError(f"eval task {name!r}: {str(path)!r} does not exist; {hint}")
     records = []

@@ -331,6 +331,11 @@ def save_hf(config: GPTConfig, state_dict: Mapping[str, torch.Tensor], out_dir: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SAFETENSORS), metadata={"format": "pt"})  # transformers checks "format"
+    # safetensors creates the file 0600 (a private temporary file, renamed); give it the mode any
+    # other file written here gets (0644 under the usual umask), like config.json beside it.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / SAFETENSORS, 0o666 & ~umask)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if tokenizer or (tokenizer is None and config.vocab_size == GPT2_VOCAB):
         write_gpt2_tokenizer(out, model_max_length=config.block_size)

@@ -117,3 +117,6 @@ def plan_main(argv: list[str] | None = None) -> None:
         print_plan(plan)
         if written:
             print(f"wrote {written}")
+    if plan.chosen is None:
+        print(f"error: plan: {plan.reason}", file=sys.stderr)
+        raise SystemExit(1)

@@ -44,6 +44,8 @@ class Plan:
     spot_failures: tp.Failures | None = None
     cost: tp.Cost | None = None
     assumptions: list[str] = field(default_factory=list)
+    fits_at: tuple[int, int, str] | None = None
+    """When nothing fits: (nodes, micro batch, layout) of the smallest cluster of these GPUs that fits."""
 
     def to_dict(self) -> dict:
         """Plain numbers for ``--json`` (memory in GB)."""
@@ -61,6 +63,8 @@ class Plan:
                          "memory_gb": x.memory.as_gb()} for x in self.candidates],
             "recommendation": None if self.chosen is None else self.chosen.layout.name,
             "reason": self.reason,
+            "fits_at": None if self.fits_at is None else {"nodes": self.fits_at[0], "gpus": self.fits_at[0] * c.gpus_per_node,
+                                                          "micro_batch": self.fits_at[1], "layout": self.fits_at[2]},
             "assumptions": self.assumptions,
         }
         if self.speed is not None:
@@ -90,6 +94,45 @@ def checkpoint_seconds_estimate(shape: ModelShape, workload: Workload, nodes: in
     return size / (tp.CHECKPOINT_WRITE_GBPS * GB * nodes)
 
 
+SEARCH_NODES = sorted({*range(1, 129), *(2 ** k for k in range(8, 14))})
+"""Node counts tried for the smallest cluster that fits (up to 8192 nodes)."""
+
+
+def smallest_fit(shape: ModelShape, workload: Workload, cluster: Cluster,
+                 margin: float = DEFAULT_MARGIN) -> tuple[int, Candidate] | None:
+    """The fewest nodes (of ``cluster``'s GPUs) on which some layout fits ``workload``, and that layout."""
+    for nodes in SEARCH_NODES:
+        if nodes <= cluster.nodes:
+            continue
+        bigger = Cluster(cluster.gpu, cluster.gpus_per_node, nodes, cluster.memory_gb)
+        chosen, _ = recommend(evaluate(shape, workload, bigger, margin))
+        if chosen is not None:
+            return nodes, chosen
+    return None
+
+
+def _nothing_fits(plan: Plan, margin: float) -> str:
+    """The reason when no layout fits: how many GPUs would, or that none would at this GPU size."""
+    shape, w, c = plan.shape, plan.workload, plan.cluster
+    best = min(plan.candidates, key=lambda x: x.memory.total)
+    usable = plan.candidates[0].memory.usable / GB
+    head = (f"nothing fits on {c.world} x {c.gpu}: the smallest need is {best.memory.total / GB:.1f} GB per GPU "
+            f"({best.layout.name}) against {usable:.1f} GB usable")
+    for micro in dict.fromkeys((w.micro_batch, 1)):
+        workload = w if micro == w.micro_batch else Workload(w.seq_len, w.global_batch, micro, w.precision, w.flash)
+        found = smallest_fit(shape, workload, c, margin)
+        if found is not None:
+            nodes, chosen = found
+            plan.fits_at = (nodes, micro, chosen.layout.name)
+            how = "" if micro == w.micro_batch else " with --micro-batch 1"
+            return (f"{head}; the smallest cluster that fits{how}: {nodes} node(s) x {c.gpus_per_node} = "
+                    f"{nodes * c.gpus_per_node} GPUs ({chosen.layout.name}, "
+                    f"{chosen.memory.total / GB:.1f} GB per GPU): pass --nodes {nodes}")
+    return (f"{head}; the model cannot fit on {c.gpu} ({c.memory_bytes / GB:.0f} GB) whatever the batch: even "
+            f"micro batch 1 on up to {SEARCH_NODES[-1] * c.gpus_per_node:,} GPUs does not fit; use GPUs with more "
+            f"memory, a shorter sequence, or a smaller model")
+
+
 def make_plan(shape: ModelShape, workload: Workload, cluster: Cluster, money: Money = Money(),
               mfu: float | None = None, margin: float = DEFAULT_MARGIN) -> Plan:
     candidates = evaluate(shape, workload, cluster, margin)
@@ -97,7 +140,14 @@ def make_plan(shape: ModelShape, workload: Workload, cluster: Cluster, money: Mo
     plan = Plan(shape, workload, cluster, candidates, chosen, reason)
     plan.assumptions.append(f"memory: GB = 1e9 bytes; fits within {1 - margin:.0%} of {cluster.memory_bytes / GB:.0f} GB "
                             f"(margin for allocator fragmentation)")
-    if chosen is None or cluster.gpu == "cpu":
+    sb = STATE_BYTES[workload.precision]
+    plan.assumptions.append(f"model state: {sb.total:g} bytes/param at {workload.precision} (weights {sb.weights:g} + "
+                            f"gradients {sb.grads:g} + fp32 master {sb.master:g} + AdamW moments {sb.moments:g}), "
+                            f"divided over the sharding ranks by ZeRO stage (ZeRO-3: all of it)")
+    if chosen is None:
+        plan.reason = _nothing_fits(plan, margin)
+        return plan
+    if cluster.gpu == "cpu":
         return plan
     layout = chosen.layout
     peak = CHIPS[cluster.gpu].bf16

@@ -137,7 +137,9 @@ def cli_yaml_run(run: str, devices: int) -> dict:
     trainer = config["trainer"]
     trainer.update(max_steps=4, val_check_interval=2, default_root_dir=str(root), enable_progress_bar=False)
     trainer["logger"]["init_args"]["save_dir"] = str(root)
-    checkpoint, evals = trainer["callbacks"]
+    # the config's PreemptionCheckpoint stays in (a SIGTERM-safe run, as shipped)
+    (checkpoint,) = [c for c in trainer["callbacks"] if c["class_path"].endswith(".ModelCheckpoint")]
+    (evals,) = [c for c in trainer["callbacks"] if c["class_path"].endswith(".CheckpointEval")]
     checkpoint["init_args"].update(dirpath=str(root / "checkpoints"), every_n_train_steps=2)
     evals["init_args"].update(data_dir=str(EVALS), limit=4, heldout_windows=4, print_table=False)
     config["model"]["init_args"]["model_overrides"] = {"n_layer": 2}

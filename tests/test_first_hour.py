@@ -1,0 +1,227 @@
+"""A new user's first hour (issue 28): a bare install's imports are declared, nothing a user runs
+points into ../shared, the CLI's expected failures are one short line naming the fix, `plan` says
+when and how nothing fits, `eval` works with its defaults, HF exports are world-readable.
+
+The CLI cases run the real command in a subprocess, as a user does."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import stat
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "lightning_disttrain"
+TRACEBACK = "Traceback (most recent call last)"
+
+# import name -> distribution name, where they differ
+DIST = {"yaml": "pyyaml", "lightning_utilities": "lightning-utilities", "typing_extensions": "typing-extensions",
+        "huggingface_hub": "huggingface-hub", "jsonargparse": "jsonargparse"}
+
+
+def _run(cwd: Path, *args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("LDT_TRACEBACK", "LDT_DEBUG")} | (env or {})
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run([sys.executable, "-m", "lightning_disttrain.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _out(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + result.stderr
+
+
+def _short_error(result: subprocess.CompletedProcess, max_lines: int = 4) -> str:
+    """The error text of a failed command: no traceback, a few lines at most."""
+    assert result.returncode != 0, _out(result)[-3000:]
+    assert TRACEBACK not in _out(result), _out(result)[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if "error" in line.lower())
+    assert len(lines) - start <= max_lines, result.stderr[-3000:]
+    return "\n".join(lines[start:])
+
+
+# ---- 2. dependencies -----------------------------------------------------------------------------
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    declared = set()
+    for req in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        declared.add(re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].strip().lower().replace("_", "-"))
+    imported: dict[str, str] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "lightning_disttrain":
+                    imported.setdefault(top, str(path.relative_to(REPO)))
+    missing = {top: where for top, where in imported.items()
+               if DIST.get(top, top).lower().replace("_", "-") not in declared}
+    assert not missing, f"imported but not in [project].dependencies: {missing}"
+
+
+# ---- 3. no ../shared in what a user runs ---------------------------------------------------------
+
+
+def test_configs_and_readme_do_not_point_into_shared():
+    for path in [REPO / "README.md", *sorted((REPO / "configs").glob("*.yaml"))]:
+        assert "../shared" not in path.read_text(), path
+    assert (REPO / "docs" / "architecture.md").is_file()
+
+
+def test_bundled_eval_samples_ship_with_the_package():
+    from lightning_disttrain.evals.tasks import KNOWN_TASKS, SAMPLES_DIR, load_task
+
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "evals/samples/*" in package_data["lightning_disttrain"]
+    config = yaml.safe_load((REPO / "configs" / "evals.yaml").read_text())
+    (evals,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("CheckpointEval")]
+    assert evals["init_args"]["data_dir"] == "bundled"
+    for name in evals["init_args"]["tasks"]:
+        if name != "heldout":
+            task = load_task(name, "bundled", evals["init_args"]["limit"])
+            assert Path(task.source).parent == SAMPLES_DIR and len(task.items) == evals["init_args"]["limit"]
+    assert all((SAMPLES_DIR / KNOWN_TASKS[t].file).is_file() for t in ("piqa", "lambada_openai", "copa"))
+
+
+# ---- 4. errors: one short line that names the fix ------------------------------------------------
+
+
+def _config(tmp_path: Path, **trainer) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "logger": False, "enable_progress_bar": False,
+                    "enable_model_summary": False, "limit_val_batches": 0, "default_root_dir": str(tmp_path),
+                    **trainer},
+        "model": {"class_path": "lightning_disttrain.GPTModule", "init_args": {"config": "tiny"}},
+        "data": {"class_path": "lightning_disttrain.TokenDataModule",
+                 "init_args": {"source": "embedded", "tokenizer": "bytes", "seq_len": 32, "batch_size": 4,
+                               "val_batches": 0, "max_docs": 60, "num_proc": 1, "cache_dir": str(tmp_path / "cache")}},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_unknown_yaml_key_is_one_line_with_did_you_mean(tmp_path):
+    path = _config(tmp_path)
+    path.write_text(path.read_text().replace("max_steps:", "max_stepz:"))
+    text = _short_error(_run(tmp_path, "fit", "--config", str(path), timeout=120), max_lines=2)
+    assert "trainer.max_stepz" in text and "did you mean 'trainer.max_steps'" in text
+
+
+def test_misspelt_class_path_is_one_line_with_did_you_mean(tmp_path):
+    path = _config(tmp_path)
+    path.write_text(path.read_text().replace("lightning_disttrain.GPTModule", "lightning_disttrain.GPTModul"))
+    text = _short_error(_run(tmp_path, "fit", "--config", str(path), timeout=120), max_lines=2)
+    assert "did you mean 'lightning_disttrain.GPTModule'" in text
+
+
+def test_unknown_strategy_name_suggests_ours(tmp_path):
+    out = _run(tmp_path, "fit", "--config", str(_config(tmp_path)), "--trainer.strategy", "fsdp3", timeout=120)
+    text = _short_error(out, max_lines=1)
+    assert "did you mean 'fsdp2'" in text and "fsdp2_tp" in text
+
+
+def test_export_of_a_missing_checkpoint_is_one_line(tmp_path):
+    text = _short_error(_run(tmp_path, "export", str(tmp_path / "nope"), "out.pt", timeout=120))
+    assert text.startswith("error: export: ") and "does not exist" in text
+
+
+def test_export_of_a_corrupt_checkpoint_is_one_line(tmp_path):
+    (tmp_path / "bad.ckpt").mkdir()
+    (tmp_path / "bad.ckpt" / "manifest.json").write_text("{not json")
+    text = _short_error(_run(tmp_path, "export", "bad.ckpt", "out.pt", timeout=120))
+    assert text.startswith("error: export: ") and "malformed" in text
+
+
+def test_fit_from_a_corrupt_checkpoint_has_no_traceback(tmp_path):
+    (tmp_path / "bad.ckpt").mkdir()
+    (tmp_path / "bad.ckpt" / "manifest.json").write_text("{not json")
+    out = _run(tmp_path, "fit", "--config", str(_config(tmp_path, strategy="fsdp2")), "--ckpt_path", "bad.ckpt")
+    text = _short_error(out, max_lines=2)
+    assert "malformed" in text and "LDT_TRACEBACK=1" in text
+
+
+# ---- 5. plan: non-zero when nothing fits, and what would ---------------------------------------
+
+
+def test_plan_when_nothing_fits_says_how_many_gpus_would(tmp_path):
+    out = _run(tmp_path, "plan", "--model", "llama3-70b", "--gpu", "H100 SXM", "--nodes", "1", timeout=120)
+    assert out.returncode == 1, _out(out)[-3000:]
+    assert "smallest cluster that fits" in out.stderr and "--nodes 4" in out.stderr
+    assert "add GPUs, or shorten" not in _out(out)
+
+
+def test_plan_says_when_no_gpu_count_fits(capsys):
+    from lightning_disttrain.planning.command import plan_main
+
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(["--model", "llama3-70b", "--seq-len", "1000000"])
+    assert exit_.value.code == 1
+    assert "cannot fit on H100 SXM (80 GB) whatever the batch" in capsys.readouterr().err
+
+
+def test_plan_assumptions_include_bytes_per_parameter(capsys):
+    from lightning_disttrain.planning.command import plan_main
+
+    plan_main(["--model", "gpt2-124m", "--json"])
+    import json
+
+    plan = json.loads(capsys.readouterr().out)
+    assert any("16 bytes/param" in a for a in plan["assumptions"]), plan["assumptions"]
+
+
+# ---- eval defaults, export and HF file modes, on one short run --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("run")
+    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(tmp / "ckpt"), "every_n_train_steps": 2, "save_last": "link"}}]
+    out = _run(tmp, "fit", "--config", str(_config(tmp, strategy="fsdp2", callbacks=callbacks)))
+    assert out.returncode == 0, _out(out)[-3000:]
+    assert (tmp / "ckpt" / "last.ckpt").exists()
+    return tmp / "ckpt" / "last.ckpt"
+
+
+@pytest.mark.slow
+def test_eval_with_its_defaults_scores_an_exported_file(checkpoint, tmp_path):
+    out = _run(tmp_path, "export", str(checkpoint), "model.pt")
+    assert out.returncode == 0, _out(out)[-3000:]
+    out = _run(tmp_path, "eval", "model.pt", "--limit", "4", "--output", "r.json")
+    assert out.returncode == 0, _out(out)[-3000:]
+    assert "step None" not in _out(out) and "evals (model.pt)" in _out(out)
+    import json
+
+    metrics = json.loads((tmp_path / "r.json").read_text())["metrics"]
+    assert {"lambada_openai", "piqa", "arc_easy", "winogrande", "copa"} <= set(metrics)
+
+
+@pytest.mark.slow
+def test_eval_heldout_without_a_corpus_is_one_error_on_two_devices(checkpoint, tmp_path):
+    out = _run(tmp_path, "eval", str(checkpoint), "--tasks", "heldout", "--devices", "2", timeout=180)
+    text = _short_error(out, max_lines=1)
+    assert "--heldout FILE" in text and text.count("error") == 1
+
+
+@pytest.mark.slow
+def test_hf_export_is_world_readable(checkpoint, tmp_path):
+    out = _run(tmp_path, "export", str(checkpoint), "hf", "--format", "hf")
+    assert out.returncode == 0, _out(out)[-3000:]
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((tmp_path / "hf" / name).stat().st_mode) == 0o666 & ~umask, name
