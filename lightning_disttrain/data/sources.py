@@ -100,6 +100,11 @@ def find_shards(source: str, val_source: str | None = None) -> ShardSet:
     meta_path = (path if path.is_dir() else path.parent) / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if path.is_dir() and meta.get("train", {}).get("shards"):
+        names = [*meta["train"]["shards"], *meta.get("val", {}).get("shards", [])]
+        bad = [n for n in names if not isinstance(n, str) or n in ("", ".", "..") or Path(n).name != n]
+        if bad:
+            raise ValueError(f"{str(path / 'meta.json')!r} lists shards outside its directory ({bad[:3]}); a "
+                             f"prepared directory names its shards as plain file names beside meta.json")
         train = [path / n for n in meta["train"]["shards"]]
         val = [path / n for n in meta.get("val", {}).get("shards", [])]
     else:

@@ -75,8 +75,9 @@ class Task:
     delimiter: str = " "
     source: str = ""
     """Where the items came from (a file path or ``hub:dataset``), for the results."""
-    total: int = 0
-    """Items in the source before ``limit``."""
+    total: int | None = 0
+    """Items in the source before ``limit``; None when reading stopped at ``limit`` (a local JSONL
+    file is read only as far as its first ``limit`` items)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -133,17 +134,20 @@ def load_task(spec: str, data_dir: str | os.PathLike | None = None, limit: int |
 
         records, where = load_hub_records(name, source[len(HUB_PREFIX):], info), source
     else:
-        records, where = read_jsonl(source, name), str(source)
+        records, where = read_jsonl(source, name, limit=limit), str(source)
     fmt = info.format if info is not None else detect_format(records, where)
-    for i, record in enumerate(records):
-        check_record(record, fmt, where, i)
-    total = len(records)
     items = records[:limit] if limit is not None else records
+    for i, record in enumerate(items):
+        check_record(record, fmt, where, i)
+    total = None if limit is not None and len(records) >= limit and not source.startswith(HUB_PREFIX) \
+        else len(records)
     delim = delimiter if delimiter is not None else (info.delimiter if info is not None else " ")
     return Task(name=name, format=fmt, items=items, delimiter=delim, source=where, total=total)
 
 
-def read_jsonl(path: str | os.PathLike, name: str = "") -> list[dict[str, Any]]:
+def read_jsonl(path: str | os.PathLike, name: str = "", limit: int | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, one per non-empty line; with ``limit``, reading stops after
+    the first ``limit`` of them (the rest of the file is never read)."""
     path = Path(path).expanduser()
     if not path.is_file():
         hint = (f"pass data_dir= a directory holding {path.name} (llm-foundry's JSONL layout), 'bundled' (the "
@@ -162,6 +166,8 @@ def read_jsonl(path: str | os.PathLike, name: str = "") -> list[dict[str, Any]]:
             if not isinstance(record, dict):
                 raise ValueError(f"{str(path)!r} line {line_no} is a {type(record).__name__}, not a JSON object")
             records.append(record)
+            if limit is not None and len(records) >= limit:
+                break
     if not records:
         raise ValueError(f"{str(path)!r} holds no items; give a JSONL file with one item per line")
     return records

@@ -142,6 +142,11 @@ class HFWeights:
                              f"{SAFETENSORS}.index.json) beside config.json")
         files = sorted(set(mapping.values())) if mapping else [stem]
         for file in files:
+            if not _plain_file_name(file):
+                raise ValueError(f"{str(self.path / f'{stem}.index.json')!r} maps weights to {file!r}, which is not "
+                                 f"a file name in that directory; a sharded checkpoint names its shards beside its "
+                                 f"index (no directories, no '..')")
+        for file in files:
             for name in self._open(file).keys():
                 canonical = name if name.startswith(prefix) or name == "lm_head.weight" else prefix + name
                 self._where[canonical] = (file, name)
@@ -340,3 +345,10 @@ def save_hf(config: GPTConfig, state_dict: Mapping[str, torch.Tensor], out_dir: 
     if tokenizer or (tokenizer is None and config.vocab_size == GPT2_VOCAB):
         write_gpt2_tokenizer(out, model_max_length=config.block_size)
     return out
+
+
+def _plain_file_name(name: object) -> bool:
+    """A bare file name: no directory part, not '.', '..', absolute or empty (a shard of a sharded
+    checkpoint lives beside its index)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and Path(name).name == name

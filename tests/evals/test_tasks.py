@@ -19,7 +19,7 @@ needs_sets = pytest.mark.skipif(not EVALS.is_dir(), reason="../shared/evals not 
 @pytest.mark.parametrize("name", [n for n in KNOWN_TASKS if n != "hellaswag"])
 def test_every_shipped_set_loads_in_its_format(name):
     task = load_task(name, data_dir=EVALS, limit=5)
-    assert len(task.items) == 5 and task.total > 5
+    assert len(task.items) == 5 and task.total is None  # reading stopped at the limit
     assert task.format == KNOWN_TASKS[name].format
     first = json.loads((EVALS / KNOWN_TASKS[name].file).read_text().splitlines()[0])
     assert task.items[0] == first  # limit keeps the first items, in file order
