@@ -43,7 +43,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_disttrain import comm as collectives
 from lightning_disttrain.checkpoint import rng, storage

@@ -170,8 +170,8 @@ def run_tokenizer(pl_module, trainer=None):
     tok = getattr(dm, "tokenizer", None) if dm is not None else None
     tok = tok or getattr(pl_module, "tokenizer", None)
     if tok is None or not callable(getattr(tok, "encode", None)):
-        raise ValueError(f"CheckpointEval needs the run's tokenizer: give the data module a `tokenizer` attribute "
-                         f"(TokenDataModule has one), or pass CheckpointEval(tokenizer='gpt2' | 'bytes')")
+        raise ValueError("CheckpointEval needs the run's tokenizer: give the data module a `tokenizer` attribute "
+                         "(TokenDataModule has one), or pass CheckpointEval(tokenizer='gpt2' | 'bytes')")
     return tok
 
 
