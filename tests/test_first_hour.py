@@ -225,3 +225,13 @@ def test_hf_export_is_world_readable(checkpoint, tmp_path):
     os.umask(umask)
     for name in ("model.safetensors", "config.json"):
         assert stat.S_IMODE((tmp_path / "hf" / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+def test_resume_from_a_directory_without_checkpoints_does_not_point_at_warnings_that_never_came(tmp_path):
+    # Finding 7: "see the warnings above" was printed when the directory held nothing to warn about.
+    from lightning_disttrain.checkpoint.dcp_io import Comm
+    from lightning_disttrain.strategies import NDParallelStrategy
+
+    with pytest.raises(ValueError, match="holds no checkpoint at all") as info:
+        NDParallelStrategy()._resolve_checkpoint(tmp_path / "last.ckpt", Comm())
+    assert "warnings above" not in str(info.value)

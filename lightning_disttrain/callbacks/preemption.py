@@ -344,7 +344,7 @@ class PreemptionCheckpoint(Callback):
             newest = getattr(cb, "_last_checkpoint_saved", "")
             link = Path(cb.dirpath) / "last.ckpt"
             if newest and os.path.exists(newest) and (not link.is_symlink() or os.readlink(link) != Path(newest).name):
-                _point_last_at(Path(newest))
+                _point_last_at(Path(newest), cb.dirpath)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, PreemptionExit):
@@ -356,9 +356,11 @@ class PreemptionCheckpoint(Callback):
 
             # No collective here (a peer is gone): only a link, so that ckpt_path="last" finds
             # this directory on the relaunch; resume verifies and falls back by itself.
-            complete = [c for c in list_checkpoints(self.dirpath) if c.complete and c.path.name != "last.ckpt"]
+            inside = Path(self.dirpath).resolve()
+            complete = [c for c in list_checkpoints(self.dirpath)
+                        if c.complete and c.path.name != "last.ckpt" and Path(c.resolved).parent == inside]
             if complete:
-                _point_last_at(complete[0].resolved)
+                _point_last_at(complete[0].resolved, self.dirpath)
             log.error("rank %d: a peer process is gone (%s); no checkpoint can be saved without it. A relaunch "
                       "with ckpt_path='last' resumes from %s", trainer.global_rank, type(exception).__name__,
                       complete[0].describe() if complete else "scratch (no complete checkpoint)")
@@ -401,7 +403,7 @@ class PreemptionCheckpoint(Callback):
             try:
                 self._save(trainer, path, in_validation)
                 if trainer.is_global_zero and not is_url(path):
-                    _point_last_at(Path(path))
+                    _point_last_at(Path(path), self.dirpath)
                 comm.barrier()
             except Exception as err:  # whatever fails, every rank still exits with the code
                 failure = err
@@ -476,7 +478,9 @@ class PreemptionCheckpoint(Callback):
             if found is None:
                 return "scratch (no complete checkpoint)"
             if not is_url(found):
-                _point_last_at(Path(found))
+                for d in dirs:  # the link goes into the directory that holds it, never beside a link's target
+                    if _point_last_at(Path(found), d):
+                        break
             return found
         except Exception as err:
             return f"the newest complete checkpoint (finding it failed: {type(err).__name__}: {err})"
@@ -524,15 +528,24 @@ def _join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}" if is_url(directory) else os.path.join(directory, name)
 
 
-def _point_last_at(path: Path) -> None:
-    """``last.ckpt`` -> ``path`` (relative link), unless ``last.ckpt`` is a real checkpoint (save_last=True)."""
-    link = path.parent / "last.ckpt"
+def _point_last_at(path: Path, directory: str | os.PathLike) -> bool:
+    """``directory/last.ckpt`` -> ``path`` (relative link), unless ``last.ckpt`` is a real checkpoint
+    (save_last=True) or ``path`` does not lie in ``directory`` itself: a checkpoint reached through a
+    link to elsewhere (``init.ckpt -> ../user_data``) never gets a ``last.ckpt`` beside its target,
+    outside the run's directory. Returns whether the link points at ``path`` now."""
+    directory = Path(directory)
+    target = path.resolve()
+    if target.parent != directory.resolve():
+        log.warning("not pointing %s at %s: it lies outside that directory", directory / "last.ckpt", target)
+        return False
+    link = directory / "last.ckpt"
     if link.exists() and not link.is_symlink():
-        return
-    tmp = path.parent / f".last.ckpt.tmp{os.getpid()}"
+        return False
+    tmp = directory / f".last.ckpt.tmp{os.getpid()}"
     tmp.unlink(missing_ok=True)
-    tmp.symlink_to(path.name)
+    tmp.symlink_to(target.name)
     os.replace(tmp, link)  # atomic: ckpt_path="last" never sees a missing link
+    return True
 
 
 def ensure_signal_safety(trainer: pl.Trainer) -> None:

@@ -271,9 +271,11 @@ class DCPCheckpointMixin:
             found = find_latest_checkpoint(path.parent, verify=verify, candidates=candidates,
                                            report=comm.rank == 0)
             if found is None:
+                why = (f"{len(candidates)} checkpoint(s) there, none verified: see the warnings above for why each "
+                       f"was skipped" if candidates else "the directory holds no checkpoint at all")
                 raise ValueError(f"ckpt_path={str(path)!r}: no complete checkpoint in {str(path.parent)!r} "
-                                 f"(see the warnings above for why each was skipped); pass ckpt_path=None to "
-                                 f"start from scratch, or the path of a checkpoint saved elsewhere")
+                                 f"({why}); pass ckpt_path=None to start from scratch, or the path of a "
+                                 f"checkpoint saved elsewhere")
             chosen = next(c for c in candidates if c.resolved == found)
             rank_zero_info(f"Resuming from {chosen.describe()}, the newest complete checkpoint beside {str(path)!r}")
             return found

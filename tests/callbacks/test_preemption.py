@@ -502,3 +502,20 @@ def test_notice_poller_sets_the_flag(metadata_server):
     state["announced"] = True
     poller.join(timeout=30)
     assert callback.reason == "GCP instance/preempted = TRUE"
+
+
+def test_last_ckpt_is_never_made_beside_a_links_target_outside_the_run(tmp_path):
+    # Issue 30: a checkpoint directory holding `init.ckpt -> ../user_data` made the preemption path
+    # create `last.ckpt` in the parent, outside the run (beside the link's target).
+    from lightning_disttrain.callbacks.preemption import _point_last_at
+
+    run, outside = tmp_path / "ckpts", tmp_path / "user_data"
+    run.mkdir()
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    (run / "init.ckpt").symlink_to("../user_data")
+    assert not _point_last_at(run / "init.ckpt", run)
+    assert not (tmp_path / "last.ckpt").exists() and not (run / "last.ckpt").exists()
+    (run / "step=2.ckpt").mkdir()
+    assert _point_last_at(run / "step=2.ckpt", run) and os.readlink(run / "last.ckpt") == "step=2.ckpt"
+    assert (outside / "keep.txt").read_text() == "mine"
