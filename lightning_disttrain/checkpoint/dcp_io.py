@@ -154,7 +154,15 @@ def remove_checkpoint_path(path: str | os.PathLike, root: str | os.PathLike | No
     ``root`` (the run's checkpoint directory), a path not inside it is refused as well.
     """
     if storage.is_url(path):
-        storage.url_remove(str(path), first=MANIFEST_NAME)
+        url = str(path).rstrip("/")
+        if root is not None and storage.is_url(root) and not url.startswith(str(root).rstrip("/") + "/"):
+            log.warning("not deleting %s: it is not under the checkpoint location %s", url, root)
+            return False
+        if foreign := [e for e in storage.url_files(url) if not is_checkpoint_file(e)]:
+            log.warning("not deleting checkpoint %s: it holds objects that are not checkpoint files (%s); delete "
+                        "them yourself if that is intended", url, ", ".join(foreign[:5]))
+            return False
+        storage.url_remove(url, first=MANIFEST_NAME)
         return True
     path = Path(path)
     if root is not None and not storage.is_url(root) and not _inside(path, Path(root)):
@@ -194,6 +202,9 @@ def _prepare_directory(path: Path | str) -> tuple[str | None, Path | None]:
         if entries and not any(e.split("/")[0] in _OURS or e.endswith(".distcp") for e in entries):
             return (f"{path!r} exists and is not a checkpoint directory (it holds {entries[:3]}); "
                     f"save the checkpoint to a new path, e.g. {storage.url_join(path, 'step=N.ckpt')!r}"), None
+        if foreign := [e for e in entries if not is_checkpoint_file(e)]:
+            return (f"{path!r} holds objects that are not checkpoint files ({foreign[:3]}), so saving over it "
+                    f"would delete them; move them away, or save the checkpoint to a new path"), None
         if entries:  # object stores cannot rename: the old objects go before the new ones are written
             remove_checkpoint_path(path)
         return None, None

@@ -102,3 +102,20 @@ def test_writable_check(run_url):
     assert storage.check_writable(f"{run_url}/ckpts") is None
     problem = storage.check_writable("s3://no-such-bucket-ldt/run")
     assert problem is not None and "no-such-bucket-ldt" in problem and "not writable" in problem
+
+
+def test_deletes_under_a_url_stay_confined_to_checkpoint_objects(run_url, trained, s3):
+    # Issue 30 for object stores: retention and save-over never delete objects that a save did not
+    # write, and never a prefix outside the run's checkpoint location.
+    from lightning_disttrain.checkpoint.dcp_io import remove_checkpoint_path
+
+    module, opt = trained
+    save(f"{run_url}/step=1.ckpt", module, opt, step=1)
+    storage.url_write(f"{run_url}/step=1.ckpt/notes.txt", b"mine")
+    assert not remove_checkpoint_path(f"{run_url}/step=1.ckpt")
+    assert storage.url_files(f"{run_url}/step=1.ckpt")  # nothing went
+    assert not remove_checkpoint_path(f"{run_url}/step=1.ckpt", root=f"{run_url}/elsewhere")
+    with pytest.raises(Exception, match="not checkpoint files"):
+        save(f"{run_url}/step=1.ckpt", module, opt, step=2)
+    assert storage.url_files(f"{run_url}/step=1.ckpt") and b"mine" == storage.url_open(
+        f"{run_url}/step=1.ckpt/notes.txt").read()
