@@ -33,7 +33,7 @@ layer, against Megatron's formula), and throughput on 2 ranks against a hand-wri
    ``training_step`` with ``self.log`` of ``train/loss`` (``sync_dist=True``), ``train/tokens``,
    ``train/lr``, ``tok/s``; CSV logger, ``log_every_n_steps=10``) under
    ``NDParallelStrategy(tp=2)`` vs a hand-written loop: the same GPT, ``parallelize_module`` with
-   the same styles (``models.gpt_tp``), the tied head tied again, ``fully_shard`` per block (last
+   the same styles (``parallel.gpt_tp``), the tied head tied again, ``fully_shard`` per block (last
    block kept gathered) and on the root over the 1-rank data-parallel mesh of the same 2-D mesh
    (as ``parallel.recipe`` does), the same batches on both TP ranks, AdamW, cosine schedule,
    clipping 1.0 (``torch.nn.utils.clip_grad_norm_``), the vocabulary-sharded cross-entropy under
@@ -127,7 +127,7 @@ def computed_local_numel(config, t: int, sp: bool) -> dict[str, int]:
     meta device) and the type of the plan's style for its module. Not a measurement."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from lightning_disttrain.models import gpt_tp
+    from lightning_disttrain.parallel import gpt_tp
     from lightning_disttrain.models.gpt import GPT
     from lightning_disttrain.parallel.tensor import TensorParallelOptions
 
@@ -456,7 +456,7 @@ def throughput_worker(args) -> None:
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     from torch.utils.data import DistributedSampler
 
-    from lightning_disttrain.models import gpt_tp
+    from lightning_disttrain.parallel import gpt_tp
     from lightning_disttrain.models.gpt import GPT
     from lightning_disttrain.optim import build_optimizer, build_scheduler
     from lightning_disttrain.parallel.tensor import TensorParallelOptions

@@ -7,7 +7,7 @@ a section that no longer fits is skipped and named under ``skipped``):
 1. ``mfu``: gpt2-124m, seq 1024, bf16 autocast, per-block ``torch.compile``, fused AdamW,
    synthetic tokens. Step time = wall time of ``--steps`` steps after ``--warmup`` steps, with
    the GPU drained before and after; MFU = ``flops_per_token(1024)`` x tokens/s / the dense bf16
-   peak of the device (``lightning_disttrain.callbacks.peak_flops``).
+   peak of the device (``lightning_disttrain.peak_flops``).
 2. ``mfu_lightning``: the same model through ``Trainer`` + ``GPTModule`` + ``MFUMonitor``: what the
    callback reports, to compare with (1) (Lightning's loop, logging and the callback's per-step
    sync cost a little).
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_disttrain.callbacks.peak_flops import chip_of, measure_cpu_peak_flops
+from lightning_disttrain.peak_flops import chip_of, measure_cpu_peak_flops
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.parallel.compile import apply_compile
 from lightning_disttrain.parallel.float8 import Float8Options, convert_to_float8
@@ -63,7 +63,7 @@ def bf16_peak(device: torch.device) -> tuple[float, str]:
         name = torch.cuda.get_device_name(device)
         chip = chip_of(name)
         if chip is None:
-            raise SystemExit(f"{name!r} is not in the peak table; add it to callbacks/peak_flops.py")
+            raise SystemExit(f"{name!r} is not in the peak table; add it to lightning_disttrain/peak_flops.py")
         return chip.bf16, f"{chip.chip} bf16 dense (table)"
     return measure_cpu_peak_flops(), "CPU fp32 matmul (measured)"
 

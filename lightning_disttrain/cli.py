@@ -37,7 +37,7 @@ from lightning_disttrain.rank_errors import ENV_TRACEBACK, RunErrors
 
 _TOOLS = {
     "prepare": ("lightning_disttrain.data.prepare", "prepare_main", "tokenize text into llm.c .bin shards"),
-    "export": ("lightning_disttrain.checkpoint.consolidate", "export_main",
+    "export": ("lightning_disttrain.checkpoint.command", "export_main",
                "export a sharded checkpoint as one state-dict file, or as Hugging Face (--format hf)"),
     "plan": ("lightning_disttrain.planning.command", "plan_main",
              "memory per GPU by layout, the recommended layout, speed, cost, checkpoint interval"),

@@ -187,7 +187,7 @@ class GPTModule(L.LightningModule):
         load_hf_weights_(self.model, path)
 
     def parallel_plan(self) -> ParallelPlan:
-        from lightning_disttrain.models import gpt_tp
+        from lightning_disttrain.parallel import gpt_tp
 
         self.configure_model()
         m, c = self.model, self.config

@@ -49,7 +49,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_disttrain.callbacks.fetch_timing import FetchTimingProfiler
-from lightning_disttrain.callbacks.peak_flops import forward_flop_counter, measure_cpu_peak_flops, table_peak
+from lightning_disttrain.peak_flops import forward_flop_counter, measure_cpu_peak_flops, table_peak
 from lightning_disttrain.parallel.float8 import has_float8
 
 @dataclass

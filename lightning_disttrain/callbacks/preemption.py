@@ -280,11 +280,9 @@ class PreemptionCheckpoint(Callback):
     def auto_resume_path(self, trainer: pl.Trainer) -> str | None:
         """What ``ckpt_path="auto"`` loads: the newest complete checkpoint in this callback's and every
         ModelCheckpoint's directory (files for Lightning's own strategies), or None."""
-        from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
-
         dirs = list(dict.fromkeys([self.dirpath or self._default_dirpath(trainer)] + [
             str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]))
-        found = _newest_complete(dirs, files=not isinstance(trainer.strategy, DCPCheckpointMixin))
+        found = _newest_complete(dirs, files=not _saves_directories(trainer))
         if trainer.is_global_zero:
             log.warning("ckpt_path='auto': %s", f"resuming from {found}" if found else
                         f"no complete checkpoint in {', '.join(dirs)}; starting from scratch")
@@ -470,11 +468,9 @@ class PreemptionCheckpoint(Callback):
         """Point ``last.ckpt`` at the newest complete checkpoint (no collective: a link on this rank);
         returns what a relaunch resumes from, in words. Never raises."""
         try:
-            from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
-
             dirs = list(dict.fromkeys([d for d in [self.dirpath] if d] + [
                 str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]))
-            found = _newest_complete(dirs, files=not isinstance(trainer.strategy, DCPCheckpointMixin))
+            found = _newest_complete(dirs, files=not _saves_directories(trainer))
             if found is None:
                 return "scratch (no complete checkpoint)"
             if not is_url(found):
@@ -546,6 +542,13 @@ def _point_last_at(path: Path, directory: str | os.PathLike) -> bool:
     tmp.symlink_to(target.name)
     os.replace(tmp, link)  # atomic: ckpt_path="last" never sees a missing link
     return True
+
+
+def _saves_directories(trainer: pl.Trainer) -> bool:
+    """Whether the strategy writes DCP checkpoint directories (``DCPCheckpointMixin``, read through its
+    ``saves_checkpoint_directories`` marker: the strategies sit above the callbacks and install this
+    one, so this module does not import them) rather than Lightning's single files."""
+    return getattr(type(trainer.strategy), "saves_checkpoint_directories", False) is True
 
 
 def ensure_signal_safety(trainer: pl.Trainer) -> None:

@@ -1,7 +1,9 @@
 """Checkpoints: sharded DCP directories with a sha256 manifest, resume discovery, retention, export.
 
 The strategy side (Lightning's save/load hooks) is ``lightning_disttrain.strategies.checkpointing.
-DCPCheckpointMixin``; everything here is usable without Lightning.
+DCPCheckpointMixin``; everything here is usable without Lightning. The ``export`` command is
+``checkpoint.command`` (not re-exported here: it imports the Hugging Face writer,
+``checkpoint.hf_export``, which sits above this package in the layers of ``docs/architecture.md``).
 """
 
 from lightning_disttrain.checkpoint.consolidate import (
@@ -9,7 +11,7 @@ from lightning_disttrain.checkpoint.consolidate import (
     EXPORT_FORMAT_VERSION,
     Exported,
     export_consolidated,
-    export_main,
+    gpt_from_exported,
     load_consolidated,
     load_consolidated_into,
     read_exported,
@@ -42,8 +44,8 @@ __all__ = [
     "Manifest",
     "describe_checkpoint",
     "export_consolidated",
-    "export_main",
     "find_latest_checkpoint",
+    "gpt_from_exported",
     "list_checkpoints",
     "load_consolidated",
     "load_consolidated_into",

@@ -11,8 +11,8 @@ plus half an interval of lost work per failure; Young 1974, Daly 2006).
   hours / device count); spot instances add their preemption rate; a preemption that is announced
   (SIGTERM, metadata notice) costs no lost work with ``PreemptionCheckpoint``, only the save.
 
-``planning.throughput`` (the ``plan`` command) uses the same formula before a run; this module
-turns measured costs into ``every_n_train_steps`` during one.
+``planning.throughput`` (the ``plan`` command) uses the same formula (``lightning_disttrain.young_daly``)
+before a run; this module turns measured costs into ``every_n_train_steps`` during one.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_disttrain.planning.throughput import young_daly_interval
+from lightning_disttrain.young_daly import young_daly_interval
 
 
 def job_mtbf_seconds(device_mtbf_hours: float | None = None, devices: int = 1,

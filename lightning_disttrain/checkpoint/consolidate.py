@@ -1,5 +1,5 @@
 """Consolidated single-file exports: a DCP checkpoint written out for inference and sharing, and
-loaded back (``GPT.from_exported``, a plain model, or the initial weights of a new sharded run).
+loaded back (``gpt_from_exported``, a plain model, or the initial weights of a new sharded run).
 
 Exporting runs in one process without a process group: DCP's single-process read assembles each
 tensor from all shards, whatever the world size that wrote them.
@@ -12,7 +12,7 @@ The file (format version 1) is one ``torch.save`` dict, readable with ``weights_
     state_dict        {name: tensor}
     model_config      the model's config as plain data, or None: for ``GPTModule`` the
                       ``GPTConfig`` fields (its ``hyper_parameters["config"]``), which
-                      ``GPT.from_exported`` builds the model from
+                      ``gpt_from_exported`` builds the model from
     hyper_parameters  the LightningModule's hyper-parameters, or None
     source            {"checkpoint": the real directory's name (no absolute path: the file is
                       meant for sharing), "global_step", "completed_unix"}
@@ -35,11 +35,10 @@ format keys) still load everywhere. A different layout (e.g. Hugging Face) gets 
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,13 +46,6 @@ from typing import Any
 import torch
 
 from lightning_disttrain.checkpoint.dcp_io import META_NAME, MODEL_KEY, load_meta
-from lightning_disttrain.checkpoint.discovery import (
-    LAST_NAME,
-    describe_checkpoint,
-    find_latest_checkpoint,
-    gate_failure,
-    list_checkpoints,
-)
 from lightning_disttrain.checkpoint.safe_load import UntrustedCheckpointError, reader_for, unwrap_checkpoint_exception
 from lightning_disttrain.checkpoint.manifest import (
     CheckpointVerificationError,
@@ -61,6 +53,7 @@ from lightning_disttrain.checkpoint.manifest import (
     read_manifest,
     verify_checkpoint,
 )
+from lightning_disttrain.models.gpt import GPT, GPTConfig
 
 DEFAULT_PREFIX = "model."
 EXPORT_FORMAT = "lightning-disttrain/consolidated"
@@ -172,7 +165,7 @@ def _meta_for_model_export(ckpt_dir: Path) -> dict[str, Any]:
     except ValueError:
         warnings.warn(f"exporting {str(ckpt_dir)!r} without its hyper-parameters or model config: its "
                       f"{META_NAME} holds objects that torch.load(weights_only=True) refuses, and a model export "
-                      f"does not unpickle them; load the export with GPT.from_exported(file, config=...)",
+                      f"does not unpickle them; load the export with gpt_from_exported(file, config=...)",
                       stacklevel=3)
         return {}
 
@@ -255,6 +248,42 @@ def load_consolidated(file: str | os.PathLike, *, prefix: str | None = None,
     return read_exported(file, prefix=prefix, weights_only=weights_only).state_dict
 
 
+def gpt_from_exported(path: str | os.PathLike, *, config: GPTConfig | None = None,
+                      weights_only: bool = True) -> GPT:
+    """The GPT in a file written by ``lightning-disttrain export`` / ``export_consolidated``,
+    built from the config stored with its weights, ready for inference.
+
+    The model comes back in eval mode (dropout off; call ``.train()`` to fine-tune it), in the
+    dtype the weights were exported in, with ``trim_logits`` set: ``model(idx)`` gives logits
+    over the ``vocab_size`` real tokens, without the padding columns. ``config`` is needed only
+    for files that carry none (exported before the export format had a version, or from a
+    LightningModule without a ``config`` hyper-parameter); when given it overrides the stored one.
+    ``weights_only=False`` unpickles arbitrary objects (a ``--full`` export's Lightning state):
+    trusted files only.
+
+    (Here, not a ``GPT`` classmethod: ``models/`` sits below ``checkpoint/`` and does not import it.)
+    """
+    exported = read_exported(path, prefix=DEFAULT_PREFIX, weights_only=weights_only)
+    if config is None:
+        if exported.model_config is None:
+            raise ValueError(
+                f"{str(path)!r} carries no model config (exported before the format had a version, or "
+                f"from a LightningModule without a `config` hyper-parameter); pass it: "
+                f"gpt_from_exported(path, config=GPTConfig.from_name(...)), or re-export the checkpoint")
+        try:
+            config = GPTConfig(**exported.model_config)
+        except TypeError as err:
+            raise ValueError(f"the model config stored in {str(path)!r} is not a GPTConfig ({err}); pass "
+                             f"config=GPTConfig(...), or build that LightningModule's own model") from err
+    model = GPT(config)
+    dtypes = {t.dtype for t in exported.state_dict.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        model.to(dtypes.pop())
+    model.load_state_dict(exported.state_dict)
+    model.trim_logits = True
+    return model.eval()
+
+
 def load_consolidated_into(module: torch.nn.Module, state_or_file: str | os.PathLike | Mapping[str, Any],
                            *, strict: bool = True) -> None:
     """Load a consolidated state dict into a (possibly FSDP2-sharded) module, e.g. as the initial
@@ -277,113 +306,3 @@ def load_consolidated_into(module: torch.nn.Module, state_or_file: str | os.Path
         return
     set_model_state_dict(module, dict(state), options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True, strict=strict))
-
-
-# ---- command line ---------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lightning-disttrain export",
-        description="Consolidate a lightning-disttrain checkpoint directory (DCP shards) into one "
-                    "torch.save file, for inference or sharing, or (--format hf) into a Hugging Face "
-                    "model directory. Runs in one process.")
-    p.add_argument("ckpt_dir", help="checkpoint directory (or a directory of them with --latest); with "
-                                    "--format hf also a file written by export")
-    p.add_argument("out_file", help="output file, e.g. model.pt (with --format hf: a directory)")
-    p.add_argument("--format", choices=("torch", "hf"), default="torch",
-                   help="torch: one torch.save file (GPT.from_exported loads it); hf: config.json + "
-                        "model.safetensors (+ GPT-2's tokenizer files for its 50,257-token vocabulary) that "
-                        "transformers' from_pretrained loads, as GPT-2 or Llama (models/hf.py)")
-    p.add_argument("--latest", action="store_true",
-                   help="ckpt_dir is a directory of checkpoints: export the newest complete one")
-    p.add_argument("--full", action="store_true",
-                   help="also export optimizer and Lightning state (a single-file Lightning checkpoint)")
-    p.add_argument("--keep-prefix", action="store_true",
-                   help=f"keep the LightningModule prefix ({DEFAULT_PREFIX!r}) on the model's keys")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="cast floating-point weights")
-    p.add_argument("--no-verify", action="store_true", help="skip checking the files against manifest.json")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="unpickle the checkpoint without restrictions (DCP's .metadata, and with --full meta.pt "
-                        "with weights_only=False): unpickling can run code, so only for checkpoints whose "
-                        "writer you trust. Without it anything beyond plain data is refused")
-    p.add_argument("--allow-failed", action="store_true",
-                   help="export a checkpoint the eval regression gate failed (its evals.json says so); without "
-                        "it such a checkpoint is refused, and skipped by --latest")
-    return p
-
-
-def export_main(argv: Sequence[str] | None = None) -> Path:
-    """``lightning-disttrain export CKPT_DIR OUT_FILE [--latest] [--full] [--format hf] ...``; returns
-    the file (with ``--format hf``: the directory) written.
-
-    Prints which checkpoint it exported (real directory, global step, completion time), so that a
-    link (``last.ckpt``) or ``--latest`` never leaves a doubt about which run and step went out.
-    """
-    args = build_parser().parse_args(argv)
-    given = Path(args.ckpt_dir)
-    ckpt_dir, via = given, ""
-    if args.latest:
-        found = find_latest_checkpoint(given, include_failed=args.allow_failed)
-        if found is None:
-            raise SystemExit(f"no complete checkpoint in {str(given)!r}")
-        ckpt_dir, via = found, f", the newest complete checkpoint in {str(given)!r}"
-    else:
-        if given.is_symlink():
-            via = f", the target of {str(given)!r}"
-        if LAST_NAME.match(given.name):
-            _warn_if_not_newest(given)
-        if given.is_dir() and (why := gate_failure(given)) and not args.allow_failed:
-            raise SystemExit(f"error: {str(given)!r} was failed by the eval regression gate ({why}); "
-                             f"pass --allow-failed to export it anyway")
-    with warnings.catch_warnings():
-        # DCP warns that it "assumes the intent" of a single-process load; that is the intent.
-        warnings.filterwarnings("ignore", message=".*torch.distributed is.*uninitialized.*")
-        if args.format == "hf":
-            return _export_hf(args, ckpt_dir, via)
-        try:
-            out = export_consolidated(ckpt_dir, args.out_file, model_only=not args.full,
-                                      prefix=None if args.keep_prefix else DEFAULT_PREFIX,
-                                      verify=not args.no_verify,
-                                      dtype=getattr(torch, args.dtype) if args.dtype else None,
-                                      trust_checkpoint=args.trust_checkpoint)
-        except UntrustedCheckpointError as err:
-            raise SystemExit(f"error: {err}") from err
-    size = out.stat().st_size / 2**20
-    print(f"exported {describe_checkpoint(ckpt_dir)}{via} -> {out} "
-          f"({size:.1f} MiB{', model only' if not args.full else ''})")
-    return out
-
-
-def _export_hf(args: argparse.Namespace, source: Path, via: str) -> Path:
-    from lightning_disttrain.checkpoint.hf_export import export_hf
-
-    if args.full or args.keep_prefix:
-        raise SystemExit("--full and --keep-prefix apply to the torch format only; --format hf writes the model")
-    try:
-        out = export_hf(source, args.out_file, verify=not args.no_verify,
-                        dtype=getattr(torch, args.dtype) if args.dtype else None,
-                        trust_checkpoint=args.trust_checkpoint)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from err
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 2**20
-    what = describe_checkpoint(source) if source.is_dir() else repr(str(source.resolve()))
-    print(f"exported {what}{via} -> {out} (Hugging Face format, {size:.1f} MiB)")
-    return out
-
-
-def _warn_if_not_newest(path: Path) -> None:
-    # A "last" name can be stale: save_last=True with Lightning's version counter leaves last.ckpt
-    # from an earlier run beside a newer last-v1.ckpt.
-    real, candidates = path.resolve(), list_checkpoints(path.parent)  # newest first
-    this = next((c for c in candidates if c.resolved == real), None)
-    newer = [c for c in candidates if this is not None and c.complete and c.timestamp > this.timestamp]
-    if newer:
-        warnings.warn(f"{str(path)!r} is not the newest checkpoint beside it: {describe_checkpoint(newer[0].resolved)} "
-                      f"completed later. Exporting {str(path)!r} as asked; to export the newest, run "
-                      f"`lightning-disttrain export {str(path.parent)!r} OUT --latest`", stacklevel=3)
-
-
-if __name__ == "__main__":
-    export_main()

@@ -1,6 +1,7 @@
 """Eval sets from the dataset hub, through ``datasets`` (an optional dependency).
 
-Known tasks arrive in the layout lm-evaluation-harness reads (``TaskInfo.hub``) and are converted
+Known tasks arrive in the layout lm-evaluation-harness reads (``TaskInfo.hub``, passed in as
+``known``) and are converted
 to the local JSONL layout (``tasks.py``) with the prompts of ``../shared/evals`` (llm-foundry's
 files, themselves built from these sets), so a hub run and a local run score the same text. Any
 other dataset must already hold one of the three layouts.
@@ -12,11 +13,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from lightning_disttrain.evals.tasks import TaskInfo
 
+def load_hub_records(name: str, dataset: str, known: tuple[str, str | None, str] | None) -> list[dict[str, Any]]:
+    """The items of ``dataset`` (``org/name``, optionally ``org/name:config:split``) as local-layout dicts.
 
-def load_hub_records(name: str, dataset: str, info: TaskInfo | None) -> list[dict[str, Any]]:
-    """The items of ``dataset`` (``org/name``, optionally ``org/name:config:split``) as local-layout dicts."""
+    ``known``: the task's ``TaskInfo.hub`` (dataset, config, split) when ``name`` is a known task,
+    else None; its config and split fill in what ``dataset`` leaves out, and its converter applies
+    when ``dataset`` is that set. (A tuple, not the ``TaskInfo``: ``tasks.py`` imports this module.)"""
     try:
         import datasets
     except ImportError as err:
@@ -27,11 +30,11 @@ def load_hub_records(name: str, dataset: str, info: TaskInfo | None) -> list[dic
     path = parts[0]
     config = parts[1] if len(parts) > 1 and parts[1] else None
     split = parts[2] if len(parts) > 2 else None
-    if info is not None and info.hub is not None and info.hub[0] == path:
-        config = config or info.hub[1]
-        split = split or info.hub[2]
+    if known is not None and known[0] == path:
+        config = config or known[1]
+        split = split or known[2]
     rows = datasets.load_dataset(path, config, split=split or "test")
-    convert = CONVERTERS.get(name) if info is not None and info.hub is not None and info.hub[0] == path else None
+    convert = CONVERTERS.get(name) if known is not None and known[0] == path else None
     return [convert(dict(row)) if convert else dict(row) for row in rows]
 
 

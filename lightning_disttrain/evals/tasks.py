@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_disttrain.evals import hub
+
 FORMATS = ("multiple_choice", "schema", "language_modeling")
 _FIELDS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
            "language_modeling": ("context", "continuation")}
@@ -130,9 +132,8 @@ def load_task(spec: str, data_dir: str | os.PathLike | None = None, limit: int |
         else:
             source = HUB_PREFIX + info.hub[0]
     if source.startswith(HUB_PREFIX):
-        from lightning_disttrain.evals.hub import load_hub_records
-
-        records, where = load_hub_records(name, source[len(HUB_PREFIX):], info), source
+        known = info.hub if info is not None else None
+        records, where = hub.load_hub_records(name, source[len(HUB_PREFIX):], known), source
     else:
         records, where = read_jsonl(source, name, limit=limit), str(source)
     fmt = info.format if info is not None else detect_format(records, where)

@@ -1,4 +1,6 @@
-"""GPT in one file: the config, the block, the model. Plain torch, no Lightning.
+"""GPT in one file: the config, the block, the model. Plain torch, no Lightning, and no import of
+the rest of the package above ``models/`` (loading a file is ``checkpoint.gpt_from_exported`` /
+``models.hf.gpt_from_hf``).
 
 GPT-2 by default (learned positions, LayerNorm, GELU MLP, tied embedding and head, GPT-2's
 initialisation) with the switches modern runs use: RoPE, RMSNorm, SwiGLU or ReLU², QK-norm,
@@ -13,7 +15,6 @@ splits. Keyed by index rather than listed, a pipeline stage keeps blocks 4..7 un
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -294,8 +295,8 @@ class GPT(nn.Module):
     """Whether ``forward`` returns logits over ``config.vocab_size`` only, without the vocabulary
     padding. Off for training: the loss cuts the padding itself, and the untrimmed output is the
     fresh tensor FSDP2's backward hooks need (a tensor-parallel head will mask padded columns of
-    vocabulary-sharded logits instead of slicing them). On for inference: ``from_exported`` sets
-    it, so that a softmax or argmax over the logits can never pick a padding id."""
+    vocabulary-sharded logits instead of slicing them). On for inference: the loaders
+    (``checkpoint.gpt_from_exported``, ``models.hf.gpt_from_hf``) set it, so that a softmax or argmax over the logits can never pick a padding id."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -400,53 +401,6 @@ class GPT(nn.Module):
             # contiguous: callers reshape logits with .view (nanoGPT-style losses do).
             return self.trim_padding(logits).contiguous()
         return logits
-
-    @classmethod
-    def from_exported(cls, path: str | os.PathLike, *, config: GPTConfig | None = None,
-                      weights_only: bool = True) -> GPT:
-        """The GPT in a file written by ``lightning-disttrain export`` / ``export_consolidated``,
-        built from the config stored with its weights, ready for inference.
-
-        The model comes back in eval mode (dropout off; call ``.train()`` to fine-tune it), in the
-        dtype the weights were exported in, with ``trim_logits`` set: ``model(idx)`` gives logits
-        over the ``vocab_size`` real tokens, without the padding columns. ``config`` is needed only
-        for files that carry none (exported before the export format had a version, or from a
-        LightningModule without a ``config`` hyper-parameter); when given it overrides the stored one.
-        ``weights_only=False`` unpickles arbitrary objects (a ``--full`` export's Lightning state):
-        trusted files only.
-        """
-        from lightning_disttrain.checkpoint.consolidate import DEFAULT_PREFIX, read_exported
-
-        exported = read_exported(path, prefix=DEFAULT_PREFIX, weights_only=weights_only)
-        if config is None:
-            if exported.model_config is None:
-                raise ValueError(
-                    f"{str(path)!r} carries no model config (exported before the format had a version, or "
-                    f"from a LightningModule without a `config` hyper-parameter); pass it: "
-                    f"GPT.from_exported(path, config=GPTConfig.from_name(...)), or re-export the checkpoint")
-            try:
-                config = GPTConfig(**exported.model_config)
-            except TypeError as err:
-                raise ValueError(f"the model config stored in {str(path)!r} is not a GPTConfig ({err}); pass "
-                                 f"config=GPTConfig(...), or build that LightningModule's own model") from err
-        model = cls(config)
-        dtypes = {t.dtype for t in exported.state_dict.values() if t.is_floating_point()}
-        if len(dtypes) == 1:
-            model.to(dtypes.pop())
-        model.load_state_dict(exported.state_dict)
-        model.trim_logits = True
-        return model.eval()
-
-    @classmethod
-    def from_hf(cls, path: str | os.PathLike, **overrides) -> GPT:
-        """The GPT in a Hugging Face model directory (``config.json`` + ``model.safetensors`` or
-        ``pytorch_model.bin``) of the GPT-2 or Llama family, ready for inference like
-        ``from_exported``: eval mode, the checkpoint's dtype, ``trim_logits`` set. ``overrides``:
-        the GPTConfig fields that change no weight (``dropout``, ``block_size``, ...). See ``models/hf.py``.
-        """
-        from lightning_disttrain.models.hf import gpt_from_hf
-
-        return gpt_from_hf(path, **overrides)
 
     def trim_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary only (a view when there is padding)."""

@@ -268,7 +268,7 @@ def load_hf_weights_(model: GPT, path: str | os.PathLike) -> None:
 
 
 def gpt_from_hf(path: str | os.PathLike, **overrides) -> GPT:
-    """``GPT.from_hf``: the model in a Hugging Face directory, in eval mode with ``trim_logits`` set,
+    """The model in a Hugging Face directory, in eval mode with ``trim_logits`` set,
     in the checkpoint's floating-point dtype. ``overrides``: ``OVERRIDABLE`` GPTConfig fields."""
     unknown = set(overrides) - {f.name for f in fields(GPTConfig)}
     if unknown:

@@ -119,7 +119,7 @@ def hf_architecture(config: GPTConfig) -> str:
         raise ValueError(
             f"this GPTConfig has no Hugging Face equivalent: it would export as {fix}, but {got}. transformers' "
             f"GPT-2 has learned positions, LayerNorm, GELU, biases and no grouped-query attention; its Llama has "
-            f"RoPE, RMSNorm and SwiGLU. Export with the default format (GPT.from_exported loads it) instead")
+            f"RoPE, RMSNorm and SwiGLU. Export with the default format (checkpoint.gpt_from_exported loads it) instead")
     return kind
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from lightning_disttrain.callbacks.peak_flops import CHIPS
+from lightning_disttrain.peak_flops import CHIPS
 from lightning_disttrain.planning.config_yaml import write_config
 from lightning_disttrain.planning.memory import DEFAULT_MARGIN
 from lightning_disttrain.planning.model_shape import config_for, model_names, shape_of

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_disttrain.callbacks.peak_flops import CHIPS
+from lightning_disttrain.peak_flops import CHIPS
 from lightning_disttrain.planning import throughput as tp
 from lightning_disttrain.planning.layouts import Candidate, evaluate, recommend
 from lightning_disttrain.planning.memory import DEFAULT_MARGIN, STATE_BYTES

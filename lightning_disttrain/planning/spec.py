@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_disttrain.callbacks.peak_flops import CHIPS
+from lightning_disttrain.peak_flops import CHIPS
 
 GB = 1e9
 
@@ -25,7 +25,7 @@ AC_POLICIES = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Cluster:
-    """The machines: ``gpu`` is a row of the peak table (``callbacks/peak_flops.py``) or ``"cpu"``."""
+    """The machines: ``gpu`` is a row of the peak table (``lightning_disttrain/peak_flops.py``) or ``"cpu"``."""
 
     gpu: str = "H100 SXM"
     gpus_per_node: int = 8

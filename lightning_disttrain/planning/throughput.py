@@ -3,7 +3,7 @@
     step time = FLOPs/token x tokens/step / (GPUs x peak x MFU)  x recompute x pipeline bubble
 
 FLOPs per token are the model's (``GPT.flops_per_token``: 6·N_active + 12·L·H·Dh·T, PaLM
-appendix B). The peak is the dense bf16 figure of the chip (``callbacks/peak_flops.py``). MFU is
+appendix B). The peak is the dense bf16 figure of the chip (``lightning_disttrain/peak_flops.py``). MFU is
 assumed, not known before a run: ``DEFAULT_MFU`` with the public anchors below; pass ``--mfu``
 with your own measurement (``MFUMonitor`` logs it) to replace it. Full activation recomputation
 runs the forward twice (8 instead of 6 FLOPs per parameter and token: x4/3 time at the same
@@ -20,8 +20,9 @@ failure, plus the restart). M = device MTBF / GPUs, with spot preemptions added 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from lightning_disttrain.young_daly import young_daly_interval
 
 DEFAULT_MFU = 0.40
 MFU_ANCHORS = (
@@ -74,13 +75,6 @@ class Failures:
     """Young/Daly: sqrt(2 x checkpoint cost x job MTBF)."""
     overhead: float
     """Fraction of the run added by checkpoints, lost work and restarts."""
-
-
-def young_daly_interval(checkpoint_seconds: float, mtbf_seconds: float) -> float:
-    """The checkpoint interval that minimises expected waste: sqrt(2·C·M)."""
-    if checkpoint_seconds <= 0 or mtbf_seconds <= 0:
-        raise ValueError(f"checkpoint cost ({checkpoint_seconds} s) and MTBF ({mtbf_seconds} s) must be > 0")
-    return math.sqrt(2 * checkpoint_seconds * mtbf_seconds)
 
 
 def failures(gpus: int, nodes: int, checkpoint_seconds: float, device_mtbf_hours: float = DEVICE_MTBF_HOURS,

@@ -72,6 +72,9 @@ _DEFAULT_LAST = re.compile(r"^last(-v\d+)?\.ckpt$")
 class DCPCheckpointMixin:
     """Sharded, verified, resumable checkpoints for a Lightning ``ParallelStrategy``."""
 
+    saves_checkpoint_directories: bool = True
+    """Marker read by code below the strategies (``callbacks.preemption``), which cannot import this
+    class: a strategy with it set writes each checkpoint as a DCP directory, not a single file."""
     checkpoint_verify: bool = True
     """Check every file against the manifest before loading (a corrupted shard fails loudly)."""
     trust_checkpoint: bool = False

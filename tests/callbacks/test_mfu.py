@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_disttrain.callbacks import MFUMonitor, peak_flops
 from lightning_disttrain.callbacks.mfu import diagnose, table_peak
-from lightning_disttrain.callbacks.peak_flops import chip_of, measure_cpu_peak_flops
+from lightning_disttrain.peak_flops import chip_of, measure_cpu_peak_flops
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.module import GPTModule
 

@@ -142,7 +142,7 @@ def test_mfu_is_against_the_bf16_peak_and_mfu_fp8_needs_float8_layers(converts):
 def test_forward_flop_counter_skips_backward_and_its_recomputation():
     # Left open over backward (a strategy that runs backward inside training_step), the counter
     # still counts the forward once: not the gradients, not checkpointing's recomputation.
-    from lightning_disttrain.callbacks.peak_flops import forward_flop_counter
+    from lightning_disttrain.peak_flops import forward_flop_counter
     from lightning_disttrain.models.gpt import GPT, GPTConfig
     from lightning_disttrain.parallel.activation import apply_activation_checkpointing
 

@@ -15,11 +15,12 @@ from lightning_disttrain.checkpoint import (
     CheckpointVerificationError,
     IncompleteCheckpointError,
     export_consolidated,
-    export_main,
+    gpt_from_exported,
     load_consolidated,
     load_consolidated_into,
     read_exported,
 )
+from lightning_disttrain.checkpoint.command import export_main
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.module import GPTModule
 
@@ -93,7 +94,7 @@ def test_load_consolidated_into_a_module(ckpt, trained, tmp_path):
     assert torch.equal(_logits(fresh.model), _logits(module.model))
 
 
-# ---- the export format: weights + model config, and GPT.from_exported --------------------------
+# ---- the export format: weights + model config, and gpt_from_exported --------------------------
 
 
 def _gpt_module_meta(step: int) -> dict:
@@ -112,7 +113,7 @@ def gpt_ckpt(tmp_path, trained):
 def test_from_exported_rebuilds_the_model_with_real_vocab_logits(gpt_ckpt, trained, tmp_path):
     module, _ = trained
     out = export_consolidated(gpt_ckpt, tmp_path / "model.pt")
-    gpt = GPT.from_exported(out)  # no config guessed by the user: it travels with the weights
+    gpt = gpt_from_exported(out)  # no config guessed by the user: it travels with the weights
     assert not gpt.training
     assert gpt.config == module.model.config and gpt.config.padded_vocab_size == 320
     logits = _logits(gpt)
@@ -137,7 +138,7 @@ def test_full_export_carries_the_config_too(gpt_ckpt, trained, tmp_path):
     out = export_consolidated(gpt_ckpt, tmp_path / "full.pt", model_only=False)
     full = torch.load(out, weights_only=False)
     assert full["contents"] == "full" and full["global_step"] == 2 and len(full["optimizer_states"]) == 1
-    assert torch.equal(_logits(GPT.from_exported(out)), _logits(module.model)[..., :VOCAB])
+    assert torch.equal(_logits(gpt_from_exported(out)), _logits(module.model)[..., :VOCAB])
 
 
 def test_files_from_before_the_format_still_load(trained, tmp_path):
@@ -150,13 +151,13 @@ def test_files_from_before_the_format_still_load(trained, tmp_path):
     load_consolidated_into(fresh.model, plain)
     assert torch.equal(_logits(fresh.model), _logits(module.model))
     with pytest.raises(ValueError, match=r"carries no model config.*config=GPTConfig"):
-        GPT.from_exported(plain)
-    assert GPT.from_exported(plain, config=config)(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, VOCAB)
+        gpt_from_exported(plain)
+    assert gpt_from_exported(plain, config=config)(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, VOCAB)
 
     old_full = tmp_path / "old_full.pt"  # the old --full shape: Lightning keys, no format keys
     torch.save({**_gpt_module_meta(2), "state_dict": module.state_dict(), "optimizer_states": []}, old_full)
     assert set(load_consolidated(old_full, prefix="model.")) == set(module.model.state_dict())
-    assert torch.equal(_logits(GPT.from_exported(old_full)), _logits(module.model)[..., :VOCAB])
+    assert torch.equal(_logits(gpt_from_exported(old_full)), _logits(module.model)[..., :VOCAB])
 
 
 def test_unknown_format_or_newer_version_is_refused(gpt_ckpt, tmp_path):
@@ -173,12 +174,12 @@ def test_a_config_that_is_not_a_gpt_config_is_a_clear_error(gpt_ckpt, tmp_path):
     raw = torch.load(export_consolidated(gpt_ckpt, tmp_path / "m.pt"), weights_only=True)
     torch.save({**raw, "model_config": {"hidden_size": 64}}, tmp_path / "other_model.pt")
     with pytest.raises(ValueError, match="is not a GPTConfig"):
-        GPT.from_exported(tmp_path / "other_model.pt")
+        gpt_from_exported(tmp_path / "other_model.pt")
 
 
 def test_from_exported_keeps_the_exported_dtype(gpt_ckpt, tmp_path):
     out = export_consolidated(gpt_ckpt, tmp_path / "m.pt", dtype=torch.bfloat16)
-    gpt = GPT.from_exported(out)
+    gpt = gpt_from_exported(out)
     assert gpt.wte.weight.dtype == torch.bfloat16 and _logits(gpt).shape[-1] == VOCAB
 
 
@@ -196,8 +197,8 @@ def test_hyper_parameters_that_need_unpickling_are_left_out(trained, tmp_path):
         export_consolidated(ckpt, tmp_path / "full.pt", model_only=False)
     full = export_consolidated(ckpt, tmp_path / "full.pt", model_only=False, trust_checkpoint=True)
     with pytest.raises(ValueError, match="if you trust the file, pass weights_only=False"):
-        GPT.from_exported(full)
-    assert GPT.from_exported(full, weights_only=False).config == module.model.config
+        gpt_from_exported(full)
+    assert gpt_from_exported(full, weights_only=False).config == module.model.config
 
 
 def test_export_of_a_last_link_names_its_target(gpt_ckpt, trained, tmp_path, capsys):

@@ -23,12 +23,12 @@ from lightning_disttrain.checkpoint import (
     CheckpointVerificationError,
     CheckpointWriter,
     export_consolidated,
-    export_main,
     find_latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
     verify_checkpoint,
 )
+from lightning_disttrain.checkpoint.command import export_main
 
 
 @pytest.fixture

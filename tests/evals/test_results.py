@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_disttrain.checkpoint import CheckpointWriter, find_latest_checkpoint, verify_checkpoint
-from lightning_disttrain.checkpoint.consolidate import export_main
+from lightning_disttrain.checkpoint.command import export_main
 from lightning_disttrain.evals.results import evals_record, read_evals, write_evals
 from lightning_disttrain.evals.suite import EvalResults
 

@@ -25,7 +25,13 @@ from hf_fixtures import VOCAB, tokens  # noqa: E402
 
 from lightning_disttrain import GPTModule  # noqa: E402
 from lightning_disttrain.models.gpt import GPT  # noqa: E402
-from lightning_disttrain.models.hf import _assign, _reader, load_hf_weights_, weight_map  # noqa: E402
+from lightning_disttrain.models.hf import (  # noqa: E402
+    _assign,
+    _reader,
+    gpt_from_hf,
+    load_hf_weights_,
+    weight_map,
+)
 
 STEPS, BATCH = 4, 4
 
@@ -76,7 +82,7 @@ def sharded_loads(hf_dir: str) -> dict:
 
     from lightning_disttrain.parallel.materialize import materialize_
 
-    one_process = GPT.from_hf(hf_dir)
+    one_process = gpt_from_hf(hf_dir)
     reference = one_process.state_dict()
     mesh = init_device_mesh("cpu", (2,))
     with torch.device("meta"):

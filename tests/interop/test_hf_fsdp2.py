@@ -18,9 +18,9 @@ from hf_fixtures import VOCAB, hf_gpt2, hf_logits, save, tokens  # noqa: E402
 
 from lightning_disttrain.checkpoint import (  # noqa: E402
     export_consolidated,
-    export_main,
     verify_checkpoint,
 )
+from lightning_disttrain.checkpoint.command import export_main  # noqa: E402
 from lightning_disttrain.cli import main  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

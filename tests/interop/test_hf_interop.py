@@ -27,7 +27,7 @@ from hf_fixtures import (  # noqa: E402
 )
 
 from lightning_disttrain.models.gpt import GPT, GPTConfig  # noqa: E402
-from lightning_disttrain.models.hf import save_hf  # noqa: E402
+from lightning_disttrain.models.hf import gpt_from_hf, save_hf  # noqa: E402
 from lightning_disttrain.module import GPTModule  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -46,7 +46,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_gpt2_imports_with_transformers_logits(tmp_path, tied):
     hf = hf_gpt2(tied=tied)
-    ours = GPT.from_hf(save(hf, tmp_path / "hf"))
+    ours = gpt_from_hf(save(hf, tmp_path / "hf"))
     c = ours.config
     assert (c.vocab_size, c.n_embd, c.n_layer, c.block_size, c.tie_embeddings) == (VOCAB, 64, 2, 32, tied)
     assert (c.pos_emb, c.norm, c.mlp, c.bias) == ("learned", "layernorm", "gelu", True)
@@ -64,7 +64,7 @@ def test_llama_imports_with_transformers_logits(tmp_path, tied, bias, kv_heads):
     # sharded safetensors with an index, as large models are published
     path = save(hf, tmp_path / "hf", max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file()
-    ours = GPT.from_hf(path)
+    ours = gpt_from_hf(path)
     c = ours.config
     assert (c.pos_emb, c.norm, c.mlp, c.n_kv_head, c.rope_theta, c.norm_eps) == ("rope", "rmsnorm", "swiglu",
                                                                                   kv_heads, 5000.0, 1e-6)
@@ -82,7 +82,7 @@ def test_pytorch_model_bin_in_hub_layout_imports(tmp_path):
     state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     state.update({f"h.{i}.attn.bias": torch.ones(1, 1, 32, 32).tril() for i in range(2)})
     torch.save(state, path / "pytorch_model.bin")
-    ours = GPT.from_hf(path)
+    ours = gpt_from_hf(path)
     idx = tokens()
     assert _max_diff(our_logits(ours, idx), hf_logits(hf, idx)) < TOL
 
@@ -102,7 +102,7 @@ def test_gptmodule_init_from_yaml_and_on_the_meta_device(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     cli = DistTrainCLI(args=["--config", str(tmp_path / "run.yaml")], run=False)
     module = cli.model
-    assert module.config == GPTConfig(**{**asdict(GPT.from_hf(path).config), "block_size": 16})
+    assert module.config == GPTConfig(**{**asdict(gpt_from_hf(path).config), "block_size": 16})
     assert module.hparams["config"] == asdict(module.config) and module.hparams["init_from"] == str(path)
     module.configure_model()
     assert _max_diff(our_logits(module.model, idx), expected) < TOL
@@ -148,7 +148,7 @@ def test_export_loads_in_transformers_and_round_trips_bitwise(tmp_path, fields):
     idx = tokens()
     assert _max_diff(hf_logits(hf, idx), our_logits(ours, idx)) < TOL
 
-    back = GPT.from_hf(out)
+    back = gpt_from_hf(out)
     assert back.config == ours.config
     original, returned = ours.state_dict(), back.state_dict()
     assert original.keys() == returned.keys()
@@ -162,7 +162,7 @@ def test_export_casts_dtype(tmp_path):
     ours = our_gpt(**LLAMA_LIKE)
     out = save_hf(ours.config, ours.state_dict(), tmp_path / "hf", dtype=torch.bfloat16)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    back = GPT.from_hf(out)
+    back = gpt_from_hf(out)
     assert back.wte.weight.dtype == torch.bfloat16
     assert torch.equal(back.blocks[0].attn.wq.weight, ours.blocks[0].attn.wq.weight.bfloat16())
 
@@ -274,14 +274,14 @@ def test_import_refuses_bad_checkpoints(tmp_path, break_it, match):
     path = save(hf_gpt2(), tmp_path / "hf")
     break_it(path)
     with pytest.raises(ValueError, match=match):
-        GPT.from_hf(path)
+        gpt_from_hf(path)
 
 
 def test_import_refuses_scaled_rope_and_odd_heads(tmp_path):
     path = save(hf_llama(), tmp_path / "hf")
     _edit_config(path, rope_parameters={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0})
     with pytest.raises(ValueError, match=r"rope_parameters=.*only unscaled RoPE"):
-        GPT.from_hf(path)
+        gpt_from_hf(path)
     _edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, head_dim=32)
     with pytest.raises(ValueError, match=r"head_dim=32"):
-        GPT.from_hf(path)
+        gpt_from_hf(path)

@@ -173,7 +173,7 @@ def test_float8_linears_get_torchaos_float8_styles_where_float8_can_be_gathered(
     )
 
     from lightning_disttrain.models.gpt import GPTConfig
-    from lightning_disttrain.models.gpt_tp import block_plan
+    from lightning_disttrain.parallel.gpt_tp import block_plan
     from lightning_disttrain.parallel.tensor import TensorParallelOptions, _float8_styles
 
     plan = block_plan(GPTConfig.from_name("tiny"), TensorParallelOptions())

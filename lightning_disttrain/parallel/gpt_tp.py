@@ -1,4 +1,4 @@
-"""How the GPT of ``gpt.py`` is tensor-parallelized: its ``ParallelStyle`` plan (Megatron's layout).
+"""How the GPT of ``models/gpt.py`` is tensor-parallelized: its ``ParallelStyle`` plan (Megatron's layout).
 
 Per block: q, k, v and the first MLP projection(s) column-parallel (each rank computes whole
 attention heads and a slice of the MLP's hidden units; no communication), the attention output
