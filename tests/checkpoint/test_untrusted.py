@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import save
 from test_consolidate import _gpt_module_meta
-from untrusted_helpers import plant_meta_pt, plant_metadata
+from untrusted_helpers import MALFORMED, malformed_text, plant_meta_pt, plant_metadata
 
 from lightning_disttrain.checkpoint import (
     MANIFEST_NAME,
@@ -150,38 +150,12 @@ def test_saving_over_a_directory_with_unrelated_files_refuses_and_keeps_them(tmp
 # ---- manifests are input: malformed ones are skipped ----------------------------------------
 
 
-def _deep(n: int) -> str:
-    return "[" * n + "]" * n
-
-
-MALFORMED = {
-    "list": "[]",
-    "deep": '{"format": "lightning-disttrain/dcp", "files": {}, "extra": {"a": ' + _deep(100000) + "}}",
-    "string_step": None,  # built from the real manifest below
-    "huge_time": None,
-    "nan_time": None,
-}
-
-
-def _malformed_text(kind: str, good: dict) -> str:
-    if MALFORMED[kind] is not None:
-        return MALFORMED[kind]
-    bad = json.loads(json.dumps(good))
-    if kind == "string_step":
-        bad["global_step"] = "many"
-    elif kind == "huge_time":
-        bad["created_unix"] = 1e300
-    elif kind == "nan_time":
-        return json.dumps(bad).replace(f'"created_unix": {json.dumps(good["created_unix"])}', '"created_unix": NaN')
-    return json.dumps(bad)
-
-
 @pytest.mark.parametrize("kind", list(MALFORMED))
 def test_a_malformed_manifest_is_skipped_and_resume_falls_back(tmp_path, trained, kind):
     ckpts = _two_checkpoints(tmp_path, trained)
     newest = ckpts / "step=2.ckpt"
     good = json.loads((newest / MANIFEST_NAME).read_text())
-    (newest / MANIFEST_NAME).write_text(_malformed_text(kind, good))
+    (newest / MANIFEST_NAME).write_text(malformed_text(kind, good))
     with pytest.raises(CheckpointVerificationError):
         verify_checkpoint(newest)
     list_checkpoints(ckpts)  # no exception escapes the listing either

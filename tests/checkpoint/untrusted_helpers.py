@@ -4,6 +4,7 @@ with a manifest that matches it (whoever writes the directory writes the manifes
 
 from __future__ import annotations
 
+import json
 import operator
 import pickle
 from pathlib import Path
@@ -56,3 +57,30 @@ def plant_meta_pt(ckpt_dir: Path, marker: Path) -> None:
     meta.marker = Path(marker)
     torch.save(meta, path)
     rewrite_manifest(Path(ckpt_dir))
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+MALFORMED = {
+    "list": "[]",
+    "deep": '{"format": "lightning-disttrain/dcp", "files": {}, "extra": {"a": ' + _deep(100000) + "}}",
+    "string_step": None,  # built from the real manifest below
+    "huge_time": None,
+    "nan_time": None,
+}
+
+
+def malformed_text(kind: str, good: dict) -> str:
+    """The manifest text of ``kind`` (``MALFORMED``), built from the good manifest ``good``."""
+    if MALFORMED[kind] is not None:
+        return MALFORMED[kind]
+    bad = json.loads(json.dumps(good))
+    if kind == "string_step":
+        bad["global_step"] = "many"
+    elif kind == "huge_time":
+        bad["created_unix"] = 1e300
+    elif kind == "nan_time":
+        return json.dumps(bad).replace(f'"created_unix": {json.dumps(good["created_unix"])}', '"created_unix": NaN')
+    return json.dumps(bad)

@@ -2,13 +2,16 @@
 
     python multi_worker.py OUT_DIR DEVICES untrusted_ckpt_worker:RUN
 
-``malformed``: the newest checkpoint's manifest is malformed (``[]``); ``ckpt_path="last"`` skips it
-on every rank and resumes from the one before. ``planted``: a checkpoint whose DCP ``.metadata``
+``malformed``: the newest checkpoint's manifest is malformed (each kind of ``MALFORMED``: ``[]``,
+deep nesting, a string step, a huge or NaN time); resuming from ``last.ckpt`` skips it on every rank
+and starts from the one before. ``planted``: a checkpoint whose DCP ``.metadata``
 creates a marker file when unpickled is refused on every rank by ``ckpt_path``, and loads with
 ``strategy.trust_checkpoint = True``.
 """
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "checkpoint")]
 from lightning_disttrain import GPTModule  # noqa: E402  (registers fsdp2)
-from untrusted_helpers import plant_metadata  # noqa: E402
+from untrusted_helpers import MALFORMED, malformed_text, plant_metadata  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
@@ -59,10 +62,18 @@ def fit_run(run: str, devices: int) -> dict:
     _fit(devices, ckpts, steps=2)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if run == "malformed":
-        if rank == 0:
-            (ckpts / "step=2.ckpt" / "manifest.json").write_text("[]")
-        dist.barrier()
-        return {"resumed_at": _fit(devices, ckpts, steps=3, ckpt_path="last")}
+        # Each kind in a copy of the two checkpoints: the newest one's manifest malformed, then a resume
+        # from last.ckpt there, which must skip it on every rank and start from step=1.ckpt.
+        resumed = {}
+        for kind in MALFORMED:
+            copy = root / f"ckpts_{kind}"
+            if rank == 0:
+                shutil.copytree(ckpts, copy, symlinks=True)
+                manifest = copy / "step=2.ckpt" / "manifest.json"
+                manifest.write_text(malformed_text(kind, json.loads(manifest.read_text())))
+            dist.barrier()
+            resumed[kind] = _fit(devices, None, steps=2, ckpt_path=str(copy / "last.ckpt"))
+        return {"resumed_at": resumed}
     marker = root / "PWNED"
     if rank == 0:
         plant_metadata(ckpts / "step=1.ckpt", marker)
