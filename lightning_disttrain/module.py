@@ -79,7 +79,6 @@ class GPTModule(L.LightningModule):
     """``init_weights`` draws each weight from a generator of its own (``models.param_init``), so
     strategies may initialise it after sharding and get the one-process weights under any layout."""
 
-
     def __init__(
         self,
         config: str | GPTConfig = "tiny",

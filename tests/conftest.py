@@ -82,3 +82,15 @@ def launched(tmp_path_factory):
         return {run: read_ranks(done[devices], f"{w}.{run}", devices) for w, run in jobs if w == worker}
 
     return get
+
+
+@pytest.fixture(scope="module")
+def two(launched, request):
+    """The 2-rank results of the requesting module's ``WORKER``: ``{run: [rank results]}``."""
+    return launched(request.module.WORKER, 2)
+
+
+@pytest.fixture(scope="module")
+def four(launched, request):
+    """The 4-rank results of the requesting module's ``WORKER``."""
+    return launched(request.module.WORKER, 4)

@@ -399,7 +399,7 @@ class PreemptionCheckpoint(Callback):
         failure: BaseException | None = None
         try:
             try:
-                self._save(trainer, path, in_validation)
+                self._save(trainer, path)
                 if trainer.is_global_zero and not is_url(path):
                     _point_last_at(Path(path), self.dirpath)
                 comm.barrier()
@@ -429,7 +429,7 @@ class PreemptionCheckpoint(Callback):
             raise PreemptionExit(self.exit_code, None, step) from failure
         raise PreemptionExit(self.exit_code, path, step)
 
-    def _save(self, trainer: pl.Trainer, path: str, in_validation: bool) -> None:
+    def _save(self, trainer: pl.Trainer, path: str) -> None:
         from lightning_disttrain.checkpoint.dcp_io import CheckpointSaveError
 
         strategy = trainer.strategy
@@ -440,15 +440,6 @@ class PreemptionCheckpoint(Callback):
             except CheckpointSaveError as err:  # raised on every rank together (dcp_io): they go on together
                 log.error("rank %d: the checkpoint save in flight failed (%s); saving the preemption checkpoint "
                           "anyway", trainer.global_rank, err)
-        if in_validation:
-            # The DCP strategies start the first training batch after a save from the random state
-            # that save stored (the validation after it draws a seed for its data loader); the
-            # uninterrupted run would have started the next batch from it, so store that state.
-            saved_rng = getattr(strategy, "_dcp_rng_of_save", None)
-            if saved_rng is not None:
-                from lightning_disttrain.checkpoint import rng
-
-                rng.restore_rng_state(saved_rng)  # this process exits after the save
         was_async, on_error = getattr(strategy, "async_save", None), getattr(strategy, "on_save_error", None)
         if was_async:
             strategy.async_save = False  # this one must be complete before we exit

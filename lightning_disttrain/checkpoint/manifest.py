@@ -90,8 +90,8 @@ class Manifest:
 
 
 MAX_MANIFEST_BYTES = 64 << 20
-"""A manifest larger than this is refused unread (a million files take about 130 MB... of JSON
-at most half of that in practice: ~100 bytes per entry)."""
+"""A manifest larger than this is refused unread (an entry takes ~100 bytes of JSON: room for
+``MAX_FILES`` entries at most)."""
 MAX_FILES = 1_000_000
 MAX_EXTRA_DEPTH = 16
 _MAX_UNIX = 253402300799.0  # 9999-12-31: datetime refuses later times (OverflowError)

@@ -54,10 +54,15 @@ def base_seed() -> int:
     return _seed if _seed is not None else torch.initial_seed() & ((1 << 63) - 1)
 
 
-def param_seed(name: str, seed: int | None = None) -> int:
-    """A 63-bit seed for the tensor called ``name``, stable across processes and Python versions."""
-    digest = hashlib.sha256(f"{base_seed() if seed is None else seed}/{name}".encode()).digest()
+def derived_seed(seed: int, key: str) -> int:
+    """A 63-bit seed for ``key`` under ``seed``, stable across processes and Python versions."""
+    digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def param_seed(name: str, seed: int | None = None) -> int:
+    """The seed of the tensor called ``name`` (``derived_seed`` of ``base_seed()`` by default)."""
+    return derived_seed(base_seed() if seed is None else seed, name)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

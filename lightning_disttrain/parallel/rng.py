@@ -22,19 +22,14 @@ Every rank calls both (collective over the world). Plain torch, no Lightning.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from lightning_disttrain import comm
-from lightning_disttrain.models.param_init import base_seed
-
-_MASK = (1 << 63) - 1
-
+from lightning_disttrain.models.param_init import base_seed, derived_seed
 
 def agreed_seed() -> int:
     """``models.param_init.base_seed()`` of global rank 0, on every rank."""
-    seed = torch.tensor([base_seed() & _MASK], dtype=torch.int64)
+    seed = torch.tensor([base_seed()], dtype=torch.int64)
     return int(comm.broadcast(seed, group_src=0).item())
 
 
@@ -44,8 +39,7 @@ def stream_seed(seed: int, dp_rank: int, pp_rank: int) -> int:
     the first stage keeps ``seed`` itself, as a one-process run does."""
     if dp_rank == 0 and pp_rank == 0:
         return seed
-    digest = hashlib.sha256(f"train/{seed}/dp{dp_rank}/pp{pp_rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & _MASK
+    return derived_seed(seed, f"train/dp{dp_rank}/pp{pp_rank}")
 
 
 def seed_training_streams(seed: int, dp_rank: int, pp_rank: int) -> int:

@@ -132,7 +132,10 @@ class DCPCheckpointMixin:
         for index, optim_state in enumerate(checkpoint.get("optimizer_states", [])):
             state[optimizer_key(index)] = optim_state
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        rng_state = rng.capture_rng_state()
+        # What the next training batch starts from: the state an earlier save at this step boundary
+        # stored, if any (a save during the validation that follows, e.g. a preemption, comes after
+        # the validation loader has drawn its seed), else the streams as they are now.
+        rng_state = getattr(self, "_dcp_rng_of_save", None) or rng.capture_rng_state()
         try:
             writer.save(path, state, meta, global_step=checkpoint.get("global_step"),
                         epoch=checkpoint.get("epoch"), extra=self._checkpoint_extra(), rng_state=rng_state)

@@ -20,17 +20,14 @@ from typing_extensions import override
 
 from lightning_disttrain import comm
 
-_OP_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+_OP_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min",
+             ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min", ReduceOp.AVG: "mean"}
 
 
 def _op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> str:
     if reduce_op is None:
         return "sum"
-    if isinstance(reduce_op, str):
-        name = _OP_NAMES.get(reduce_op.lower())
-    else:
-        name = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
-                getattr(ReduceOp, "AVG", None): "mean"}.get(reduce_op)
+    name = _OP_NAMES.get(reduce_op.lower() if isinstance(reduce_op, str) else reduce_op)
     if name is None:
         raise ValueError(f"reduce_op={reduce_op!r}: use 'mean', 'sum', 'max' or 'min'")
     return name

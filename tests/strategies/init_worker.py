@@ -73,10 +73,10 @@ def config_layout(name: str) -> tuple[object, str, dict, dict]:
     return strategy, preset, dict(model.get("model_overrides") or {}), kwargs
 
 
-def reference_model(preset: str, overrides: dict) -> GPTModule:
-    """The module every run builds (before the strategy sees it)."""
-    return GPTModule(preset, vocab_size=VOCAB, model_overrides={"block_size": SEQ, **overrides}, lr=3e-3,
-                     weight_decay=0.1, schedule="constant", warmup_steps=0)
+def reference_model(preset: str, overrides: dict, cls: type[GPTModule] = GPTModule) -> GPTModule:
+    """The module every run builds (before the strategy sees it); ``cls``: ``Recorded`` to train it."""
+    return cls(preset, vocab_size=VOCAB, model_overrides={"block_size": SEQ, **overrides}, lr=3e-3,
+               weight_decay=0.1, schedule="constant", warmup_steps=0)
 
 
 def dataset() -> TensorDataset:
@@ -138,8 +138,7 @@ def fit_run(run: str, devices: int) -> dict:
     out = Path(os.environ["LDT_LAUNCH_OUT"]) / "init"
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(SEED)
-    model = Recorded(preset, vocab_size=VOCAB, model_overrides={"block_size": SEQ, **overrides}, lr=3e-3,
-                     weight_decay=0.1, schedule="constant", warmup_steps=0)
+    model = reference_model(preset, overrides, Recorded)
     recorder = WeightsAtStart(out, run)
     trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS, callbacks=[recorder],
                         gradient_clip_val=CLIP,

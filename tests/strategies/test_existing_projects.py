@@ -15,11 +15,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def two(launched):
-    return launched(WORKER, 2)
-
-
-@pytest.fixture(scope="module")
 def single():
     return in_this_process(lambda: {run: worker.fit_run(run, devices=1) for run in ("hf_gpt2", "dict_blocks")})
 

@@ -23,16 +23,6 @@ def single():
     return in_this_process(worker.fit_run, "single", devices=1)
 
 
-@pytest.fixture(scope="module")
-def two(launched):
-    return launched(WORKER, 2)
-
-
-@pytest.fixture(scope="module")
-def four(launched):
-    return launched(WORKER, 4)
-
-
 def assert_matches(ranks, single):
     assert len(single["losses"]) == worker.STEPS
     for rank, r in enumerate(ranks):

@@ -24,16 +24,6 @@ TOL = 1e-5
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def two(launched):
-    return launched(WORKER, 2)
-
-
-@pytest.fixture(scope="module")
-def four(launched):
-    return launched(WORKER, 4)
-
-
 def _eager(preset: str, overrides: dict) -> dict[str, torch.Tensor]:
     L.seed_everything(worker.SEED)
     module = worker.reference_model(preset, overrides)
@@ -53,8 +43,7 @@ def _eager_losses(preset: str, overrides: dict) -> list[float]:
 
 def _single_fit(preset: str, overrides: dict) -> list[float]:
     L.seed_everything(worker.SEED)
-    model = worker.Recorded(preset, vocab_size=worker.VOCAB, model_overrides={"block_size": worker.SEQ, **overrides},
-                            lr=3e-3, weight_decay=0.1, schedule="constant", warmup_steps=0)
+    model = worker.reference_model(preset, overrides, worker.Recorded)
     trainer = L.Trainer(devices=1, accelerator="cpu", max_steps=worker.STEPS, gradient_clip_val=worker.CLIP,
                         logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

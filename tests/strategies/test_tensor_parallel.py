@@ -30,11 +30,6 @@ FLOAT8_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def two(launched):
-    return launched(WORKER, 2)
-
-
-@pytest.fixture(scope="module")
 def single():
     return in_this_process(lambda: {name: worker.fit_run(name, devices=1) for name in sorted(set(BASELINE.values()))})
 
