@@ -33,6 +33,7 @@ import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_disttrain  # noqa: F401  (registers strategy names; callbacks importable by class_path)
+from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain.rank_errors import ENV_TRACEBACK, RunErrors
 
 _TOOLS = {
@@ -92,7 +93,7 @@ class _ShortErrorParser(LightningArgumentParser):
         prog = parser.prog.replace(" [options]", "")
         unknown = re.search(r"does not accept option '([^']+)'", message)
         if unknown:
-            keys = [a.dest for a in parser._actions if a.dest and a.dest != "help"]
+            keys = compat.parser_option_names(parser)
             short = message.splitlines()[0] + _did_you_mean(unknown.group(1), keys)
         else:
             short = _class_path_hint(message)
@@ -172,7 +173,7 @@ class DistTrainCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # Wrap LightningCLI's model/data instantiators (they record hyper-parameters, so they must
         # still run) and add one for every other class (strategy, callbacks, loggers).
-        registered = dict(getattr(self.parser, "_instantiators", None) or {})
+        registered = compat.parser_instantiators(self.parser)
         for (class_type, subclasses), instantiator in registered.items():
             self.parser.add_instantiator(_RememberFailures(instantiator, self._failures), class_type, subclasses)
         self.parser.add_instantiator(_RememberFailures(None, self._failures), object, subclasses=True)

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
+from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.models.hf import load_hf_weights_
 from lightning_disttrain.models.hf_config import check_compatible, config_from_hf_dir
@@ -156,9 +157,10 @@ class GPTModule(L.LightningModule):
     def _adopt_data_vocab(self) -> None:
         # Without an explicit vocab_size the model takes the data module's tokenizer's, so a YAML
         # names the tokenizer once. Stored in hparams so load_from_checkpoint rebuilds the same shape.
-        if self.hparams.vocab_size is not None or self._trainer is None:
+        trainer = compat.trainer_of(self)
+        if self.hparams.vocab_size is not None or trainer is None:
             return
-        vocab = getattr(getattr(self._trainer, "datamodule", None), "vocab_size", None)
+        vocab = getattr(getattr(trainer, "datamodule", None), "vocab_size", None)
         if self.hparams.get("init_from") is not None:  # the pretrained embedding decides the vocabulary
             if vocab is not None and vocab > self.config.vocab_size:
                 raise ValueError(f"the data's tokenizer has {vocab} tokens, more than the {self.config.vocab_size} of "
@@ -360,7 +362,8 @@ class GPTModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
-        if self._trainer is not None and self._trainer.state.fn == "fit":  # resuming, not loading weights
+        trainer = compat.trainer_of(self)
+        if trainer is not None and trainer.state.fn == "fit":  # resuming, not loading weights
             self._resumed_schedule_steps = checkpoint.get("schedule_steps")
 
     def on_train_start(self) -> None:
@@ -384,7 +387,7 @@ class GPTModule(L.LightningModule):
     def tokenizer(self):
         if self._tokenizer is None:
             name = self.hparams.tokenizer_name
-            dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            dm = getattr(compat.trainer_of(self), "datamodule", None)
             if name is None and dm is not None and getattr(dm, "tokenizer", None) is not None:
                 self._tokenizer = dm.tokenizer
             else:
@@ -396,7 +399,7 @@ class GPTModule(L.LightningModule):
     def _last_logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits at the last position, whole on every rank (equal across a TP group)."""
         T = idx.size(1)
-        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        strategy = getattr(compat.trainer_of(self), "strategy", None)
         multiple = getattr(strategy, "sequence_multiple", 1)  # sequence parallel: T % tp == 0
         if T % multiple:
             # Pad on the right: causal attention keeps the padding out of the positions before it.

@@ -191,10 +191,19 @@ def checkpoint(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("run")
     callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                   "init_args": {"dirpath": str(tmp / "ckpt"), "every_n_train_steps": 2, "save_last": "link"}}]
-    out = _run(tmp, "fit", "--config", str(_config(tmp, strategy="fsdp2", callbacks=callbacks)))
+    out = _run(tmp, "fit", "--config", str(_config(tmp, strategy="fsdp2", callbacks=callbacks,
+                                                    enable_progress_bar=True)))
     assert out.returncode == 0, _out(out)[-3000:]
     assert (tmp / "ckpt" / "last.ckpt").exists()
+    (tmp / "fit.out").write_text(_out(out))
     return tmp / "ckpt" / "last.ckpt"
+
+
+@pytest.mark.slow
+def test_progress_bar_under_max_steps_says_epoch_0(checkpoint):
+    # Finding 7: with max_steps, Lightning's rich bar printed "Epoch 0/-2".
+    text = (checkpoint.parent.parent / "fit.out").read_text()
+    assert re.search(r"Epoch 0 +━", text) and "Epoch 0/-2" not in text, text[-2000:]
 
 
 @pytest.mark.slow

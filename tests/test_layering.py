@@ -6,7 +6,9 @@ Layers, low to high (a module may import its own layer and the ones below; ``doc
 
 0. foundation: ``comm.py`` (every collective), ``rank_errors.py``, ``young_daly.py`` (the
    checkpoint-interval formula the planner and the cadence share), ``peak_flops.py`` (the chip
-   table MFU and the planner share). Plain Python / torch.
+   table MFU and the planner share), ``_lightning_compat.py`` and ``_torch_compat.py`` (every use
+   of a Lightning or torch private, see ``tests/test_private_seams.py``). Plain Python / torch /
+   Lightning, importing nothing else of ours but each other.
 1. core: ``models/`` (GPT, MoE, layout-independent init) and ``data/``. Plain torch, no Lightning
    in the models; neither imports checkpoint, parallel, planning, callbacks, strategies, evals.
 2. building blocks: ``parallel/`` (incl. GPT's TP plan, ``parallel/gpt_tp.py``), ``checkpoint/``
@@ -50,6 +52,8 @@ LAYERS: dict[str, int] = {
     f"{PKG}.rank_errors": FOUNDATION,
     f"{PKG}.young_daly": FOUNDATION,
     f"{PKG}.peak_flops": FOUNDATION,
+    f"{PKG}._lightning_compat": FOUNDATION,
+    f"{PKG}._torch_compat": FOUNDATION,
     f"{PKG}.models": CORE,
     f"{PKG}.data": CORE,
     f"{PKG}.models.hf": BLOCKS,

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_disttrain import comm
+from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain.checkpoint.cadence import (
     Cadence,
     checkpoint_cadence,
@@ -63,8 +64,8 @@ class CheckpointCadence(Callback):
         self.mtbf_s = job_mtbf_seconds(self.device_mtbf_hours, self.devices or trainer.world_size,
                                        self.preemptions_per_hour)
         if self.decide_at_step is None:
-            every = [cb._every_n_train_steps for cb in trainer.checkpoint_callbacks
-                     if isinstance(cb, ModelCheckpoint) and cb._every_n_train_steps > 0]
+            every = [compat.every_n_train_steps(cb) for cb in trainer.checkpoint_callbacks
+                     if isinstance(cb, ModelCheckpoint) and compat.every_n_train_steps(cb) > 0]
             self.decide_at_step = (min(every) if every else 1) + 1
         cost = (f"cost {self.checkpoint_cost_s:.3g} s" if self.checkpoint_cost_s
                 else f"cost measured at step {self.decide_at_step}")
@@ -101,8 +102,8 @@ class CheckpointCadence(Callback):
         self.cadence = checkpoint_cadence(cost, self.mtbf_s, write, step_s or None)
         if self.apply and self.cadence.every_n_steps:
             for cb in trainer.checkpoint_callbacks:
-                if isinstance(cb, ModelCheckpoint) and cb._every_n_train_steps > 0:
-                    cb._every_n_train_steps = self.cadence.every_n_steps
+                if isinstance(cb, ModelCheckpoint) and compat.every_n_train_steps(cb) > 0:
+                    compat.set_every_n_train_steps(cb, self.cadence.every_n_steps)
         if trainer.is_global_zero:
             log.warning("checkpoint cadence: %s%s", self.cadence.describe(),
                         "; applied to ModelCheckpoint(every_n_train_steps)" if self.apply else "")

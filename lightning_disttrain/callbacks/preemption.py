@@ -79,6 +79,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_disttrain import comm
+from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain.callbacks.preemption_notices import Notice, NoticePoller
 from lightning_disttrain.checkpoint.storage import check_writable, is_url
 
@@ -226,10 +227,7 @@ class PreemptionCheckpoint(Callback):
         # Lightning registers its handlers (a broadcast inside) just before training starts, after
         # on_fit_start; make its parts ours, so that a signal that arrives between then and
         # on_train_start is only a flag too. Its teardown restores the handlers it found.
-        connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None:
-            connector._sigterm_notifier_fn = self._on_signal
-            connector._slurm_sigusr_handler_fn = self._on_signal
+        compat.route_lightning_signal_handlers(trainer, self._on_signal)
 
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -264,18 +262,12 @@ class PreemptionCheckpoint(Callback):
     def _resolve_auto_on_restore(self, trainer: pl.Trainer) -> None:
         # Lightning passes ckpt_path="auto" through unchanged (not one of its names) to the restore,
         # which runs after every setup hook (before or after the strategy's setup): translate it there.
-        connector = getattr(trainer, "_checkpoint_connector", None)
-        if connector is None or "resume_start" in vars(connector):
-            return
-        original = connector.resume_start
-
-        def resume_start(checkpoint_path=None, weights_only=None):
-            del connector.resume_start  # once per fit
+        def translate(checkpoint_path):
             if checkpoint_path is not None and str(checkpoint_path) == "auto":
-                checkpoint_path = self.auto_resume_path(trainer)
-            return original(checkpoint_path, weights_only)
+                return self.auto_resume_path(trainer)
+            return checkpoint_path
 
-        connector.resume_start = resume_start
+        compat.translate_resume_path_once(trainer, translate)
 
     def auto_resume_path(self, trainer: pl.Trainer) -> str | None:
         """What ``ckpt_path="auto"`` loads: the newest complete checkpoint in this callback's and every
@@ -339,7 +331,7 @@ class PreemptionCheckpoint(Callback):
         for cb in trainer.checkpoint_callbacks:
             if not isinstance(cb, ModelCheckpoint) or cb.save_last or not cb.dirpath or is_url(str(cb.dirpath)):
                 continue
-            newest = getattr(cb, "_last_checkpoint_saved", "")
+            newest = compat.last_checkpoint_saved(cb)
             link = Path(cb.dirpath) / "last.ckpt"
             if newest and os.path.exists(newest) and (not link.is_symlink() or os.readlink(link) != Path(newest).name):
                 _point_last_at(Path(newest), cb.dirpath)
@@ -580,9 +572,7 @@ def _stop_child_observer() -> None:
     # Under Lightning's subprocess launcher, rank 0 watches its child ranks and SIGKILLs itself and
     # them when a child exits non-zero. Here every rank exits with `exit_code` on purpose, after the
     # checkpoint is complete: stop watching, or rank 0 could be killed before it exits itself.
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
-            thread._child_processes = []
+    compat.stop_child_process_watchdog()
 
 
 class _Deadline:

@@ -641,7 +641,8 @@ def unwrap_optimizer(optimizer: Any) -> list[torch.optim.Optimizer]:
     Unwraps ``LightningOptimizer`` and splits a ``HybridOptimizer`` (anything with an
     ``.optimizers`` list) into its parts, which DCP's state-dict helpers take as a list.
     """
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):  # LightningOptimizer
+        optimizer = optimizer.optimizer
     parts = getattr(optimizer, "optimizers", None)
     if isinstance(parts, (list, tuple)) and parts:
         return list(parts)

@@ -116,3 +116,9 @@ def no_global_draws() -> Iterator[None]:
         devices = [default.index if default.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=devices, device_type=default.type if devices else "cuda"):
         yield
+
+
+def layout_independent_init(module: torch.nn.Module) -> bool:
+    """Whether ``module`` initialises every weight through ``models.param_init`` (a generator per
+    parameter name: the values do not depend on the layout, the order of draws or the ranks)."""
+    return bool(getattr(module, "layout_independent_init", False))

@@ -1,8 +1,10 @@
-"""The one place where a model is parallelized: every transform, in its fixed order.
+"""The one place where a model is parallelized: every step, in its fixed order, with its reason.
 
-``parallelize`` is what ``NDParallelStrategy`` runs once the model is built (and, for a
-meta-device build on the host, materialised). Read it top to bottom to see where each
-parallelism is applied and why there; tensor, pipeline and expert parallel add their lines here.
+``parallelize`` is what ``NDParallelStrategy.setup`` runs once ``configure_model`` has built the
+model (on the meta device with ``empty_init``): the precision cast, the pipeline split, the
+initial weights, every transform (float8 swap, TP, EP, activation checkpointing, compile, FSDP2),
+the sharded initialisation and the move to the device. Read it top to bottom; the strategy only
+supplies the pieces that need its state (``Host``) and the settings of each parallelism.
 Callbacks contribute transforms at a stage through the strategy's ``TransformRegistry``
 (float8's Linear swap at ``dtype``, activation checkpointing at ``activation_checkpointing``).
 """
@@ -10,13 +12,14 @@ Callbacks contribute transforms at a stage through the strategy's ``TransformReg
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_disttrain.parallel.fsdp import apply_fsdp, check_tied_units, fsdp_root
-from lightning_disttrain.parallel.materialize import check_ties, tied_parameters
+from lightning_disttrain.models.param_init import layout_independent_init
+from lightning_disttrain.parallel.fsdp import already_parallelized, apply_fsdp, check_tied_units, fsdp_root
+from lightning_disttrain.parallel.materialize import check_ties, dtensor_rng_supported, has_meta_tensors, tied_parameters
 from lightning_disttrain.parallel.plan import ParallelPlan, find_parallel_plan
 from lightning_disttrain.parallel.tensor import TensorParallelOptions, apply_tp
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
@@ -56,12 +59,30 @@ class EPSettings:
 
 @dataclass
 class PipelineSettings:
-    """What stage 2 did (``parallel.pipeline.split_model``, run by the strategy before the weights
-    are materialised, so that no rank allocates the blocks it does not hold)."""
+    """What the pipeline split (step 2) did: ``parallel.pipeline.split_model``, run through the
+    host before any weight exists, so that no rank allocates the blocks it does not hold."""
 
     stages: list
     """The modules this rank runs as pipeline stages: each becomes its own FSDP root."""
     summary: str = ""
+
+
+@dataclass
+class Host:
+    """What ``parallelize`` asks of its caller (the strategy) at fixed points of the order: the
+    pieces that need the strategy's own state (its precision plugin, its pipeline runner, the seed
+    every rank agreed on, its device). Each may be None (not this run's business)."""
+
+    convert_precision: Callable[[nn.Module], None] | None = None
+    """Cast the module to the run's precision (``bf16-true``...)."""
+    split_pipeline: Callable[[nn.Module], PipelineSettings] | None = None
+    """Keep this rank's pipeline stages (pp > 1), before any weight exists."""
+    materialize: Callable[[nn.Module], None] | None = None
+    """Allocate and initialise meta-device weights (layout-independent where the model is)."""
+    sync_initial_weights: Callable[[nn.Module], None] | None = None
+    """Make every rank start from rank 0's eagerly built weights."""
+    to_device: Callable[[], None] | None = None
+    """Move what is left on the host to the run's device."""
 
 
 @dataclass
@@ -72,39 +93,66 @@ class Parallelized:
     """The stages that changed the model, in order, with what ran there."""
     fsdp_root: nn.Module | None = None
     """The module FSDP wrapped as its root unit (None when FSDP did not run)."""
+    self_sharded: bool = False
+    """The module parallelized itself in ``configure_model`` (TP/FSDP skipped here)."""
 
 
 def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformRegistry, *,
+                host: Host | None = None,
                 compile_options: dict[str, Any] | None = None,
                 tp: TPSettings | None = None,
                 ep: EPSettings | None = None,
-                fsdp: FSDPSettings | None = None,
-                pipeline: PipelineSettings | None = None) -> Parallelized:
-    """Apply every parallelism to ``module`` in place, in the order DESIGN.md fixes.
+                fsdp: FSDPSettings | None = None) -> Parallelized:
+    """Apply every parallelism to ``module`` in place: THE order, with the reason for each step.
 
+    ``host``: the strategy's part (precision cast, pipeline split, weight init, device move);
+    None runs the transforms only (tests, a module built eagerly on its device).
     ``compile_options``: None skips compilation; a dict (possibly empty) compiles each block.
-    ``tp``: None skips tensor parallel.
-    ``ep``: None skips expert parallel.
-    ``fsdp``: None skips sharding (e.g. the model sharded itself in ``configure_model``).
-    ``pipeline``: the stages this rank keeps (None: no pipeline).
+    ``tp`` / ``ep`` / ``fsdp``: None skips that parallelism.
     """
+    host = host or Host()
     done = Parallelized()
-    plan = find_parallel_plan(module)
-    ties = tied_parameters(module)
+    mesh = ctx.mesh
 
     def stage(name: str) -> None:
         ran = transforms.apply_stage(name, module, ctx)
         if ran:
             done.steps.append(f"{name}: {', '.join(ran)}")
 
-    # 1. dtype conversions from callbacks (float8 Linear swap): they must see plain nn.Linear.
-    stage("dtype")
-    # 2. pipeline split: each rank keeps only its blocks (already done: see PipelineSettings).
+    # 0. precision cast (bf16-true...): before sharding, so every shard is born in its dtype.
+    if host.convert_precision is not None:
+        host.convert_precision(module)
+    # A module that sharded itself in configure_model (Lightning's ModelParallelStrategy way)
+    # keeps its sharding: TP and FSDP would wrap it a second time, and what must come before
+    # sharding (a layer swap, the pipeline split, the expert split) can no longer run.
+    done.self_sharded = already_parallelized(module)
+    if done.self_sharded:
+        _refuse_after_self_sharding(module, transforms, host, ep)
+        tp = fsdp = None
+    # 1. pipeline split: each rank keeps only its blocks, before any weight is allocated or
+    #    broadcast, so no rank ever holds the whole model.
+    pipeline = host.split_pipeline(module) if host.split_pipeline is not None else None
     if pipeline is not None:
         done.steps.append(pipeline.summary)
+    # 2. initial weights. A layout-independent initialisation (GPT: a generator per parameter
+    #    name) runs after sharding (step 10), each rank drawing only what it keeps; so do
+    #    initialisers on DTensor shards where DTensor's RNG makes a shard the slice of one full
+    #    random tensor (CUDA-like meshes). Anything else is materialised whole first, then
+    #    sharded; an eagerly built module starts from rank 0's weights (as DDP does).
+    on_meta = has_meta_tensors(module)
+    sharded_init = on_meta and (done.self_sharded or layout_independent_init(module)
+                                or (mesh is not None and dtensor_rng_supported(mesh)))
+    if on_meta and not sharded_init and host.materialize is not None:
+        host.materialize(module)
+    elif not on_meta and not done.self_sharded and host.sync_initial_weights is not None:
+        host.sync_initial_weights(module)
+    plan = find_parallel_plan(module)
+    ties = tied_parameters(module)
+    # 3. dtype conversions from callbacks (float8 Linear swap): they must see plain nn.Linear.
+    stage("dtype")
     stage("pipeline")
-    # 3. tensor / sequence / loss parallel: shards weights before FSDP shards them again (2-D);
-    #    float8 Linears (step 1) get torchao's float8 styles.
+    # 4. tensor / sequence / loss parallel: shards weights before FSDP shards them again (2-D);
+    #    float8 Linears (step 3) get torchao's float8 styles.
     if tp is not None:
         tensorwise = ctx.extras.get("float8_recipe") == "tensorwise"  # torchao's float8 TP styles need it
         apply_tp(module, plan, tp.mesh, tp.options,
@@ -114,8 +162,8 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
                           f"{', sequence parallel' if o.sequence_parallel else ''}"
                           f"{', loss parallel' if o.loss_parallel else ''}{', async TP' if o.async_tp else ''}")
     stage("tensor_parallel")
-    # 4. expert parallel: each MoE layer's routed experts are split over the ep ranks (tokens
-    #    reach them by all-to-all); FSDP (step 7) then gives them units of their own.
+    # 5. expert parallel: each MoE layer's routed experts are split over the ep ranks (tokens
+    #    reach them by all-to-all); FSDP (step 8) then gives them units of their own.
     if ep is not None:
         from lightning_disttrain.models.moe import moe_layers
         from lightning_disttrain.parallel.expert import shard_experts
@@ -125,16 +173,16 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
         done.steps.append(f"expert_parallel: ep={ep.mesh.size()}, {len(layers)} MoE layers, experts FSDP over "
                           f"{ep.expert_fsdp_mesh.size()} ranks")
     stage("expert_parallel")
-    # 5. activation checkpointing: wraps whole blocks, after TP so its plans see real names.
+    # 6. activation checkpointing: wraps whole blocks, after TP so its plans see real names.
     stage("activation_checkpointing")
-    # 6. per-block torch.compile: after checkpointing, so the policy is traced into the graph.
+    # 7. per-block torch.compile: after checkpointing, so the policy is traced into the graph.
     if compile_options is not None:
         from lightning_disttrain.parallel.compile import apply_compile  # imports torch._dynamo
 
         apply_compile(plan.blocks, **compile_options)
         done.steps.append(f"compile: {len(plan.block_list)} blocks")
     stage("compile")
-    # 7. FSDP2 per block, per plan group, then the root: outermost, so its hooks stay outside
+    # 8. FSDP2 per block, per plan group, then the root: outermost, so its hooks stay outside
     #    compiled and checkpointed code. Modules sharing a parameter must share a unit.
     if fsdp is not None and pipeline is not None:
         # Each stage is a root: the schedule runs it alone and finishes its gradient reduction.
@@ -155,7 +203,29 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
                           f"{root_name}")
     stage("fsdp")
     check_ties(module, ties)
+    # 9. sharded initialisation (step 2's deferred case): every rank draws only what it holds.
+    if sharded_init and host.materialize is not None:
+        host.materialize(module)
+    # 10. the device: what is still on the host (buffers, an eager build) moves last, so no
+    #     rank ever held the whole model on the accelerator.
+    if host.to_device is not None:
+        host.to_device()
     return done
+
+
+def _refuse_after_self_sharding(module: nn.Module, transforms: TransformRegistry, host: Host,
+                                ep: EPSettings | None) -> None:
+    name = type(module).__name__
+    if transforms.has("dtype"):
+        raise ValueError(f"{name} parallelized itself in configure_model, so callbacks that swap layers "
+                         f"({transforms.names()}) can no longer run before sharding; convert the layers in "
+                         f"configure_model before fully_shard, or leave the sharding to the strategy")
+    if ep is not None:
+        raise ValueError(f"{name} sharded itself in configure_model; ep > 1 must split its experts first: leave "
+                         f"the sharding to the strategy, or set ep=1")
+    if host.split_pipeline is not None:
+        raise ValueError(f"{name} sharded itself in configure_model; pp > 1 must split it first: leave the "
+                         f"sharding to the strategy, or set pp=1")
 
 
 def stage_plan(plan: ParallelPlan, part: nn.Module) -> ParallelPlan:

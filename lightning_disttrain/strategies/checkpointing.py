@@ -42,15 +42,16 @@ How Lightning drives it:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain.checkpoint import rng, storage
 from lightning_disttrain.checkpoint.dcp_io import (
     MODEL_KEY,
@@ -117,7 +118,7 @@ class DCPCheckpointMixin:
         return get_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer),
                                         options=optimizer_state_options())
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` (from ``dump_checkpoint``) as a DCP directory at ``filepath``."""
         if storage_options is not None:
             raise ValueError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: "
@@ -143,7 +144,7 @@ class DCPCheckpointMixin:
             self._save_failed(err)
         self._dcp_rng_of_save = rng_state
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify, then load weights and optimizer state in place; return the Lightning state."""
         if str(checkpoint_path) == "auto":
             raise ValueError("ckpt_path='auto' is resolved by the PreemptionCheckpoint callback: add "
@@ -175,7 +176,7 @@ class DCPCheckpointMixin:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # as above (and not called: lightning_restore_optimizer is False)
 
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         """Delete a checkpoint directory (or a link to one, never its target); called by ModelCheckpoint
         for retention (``save_top_k``). During an async save it waits for that save to complete."""
         self._checkpoint_writer().remove(filepath)
@@ -210,9 +211,9 @@ class DCPCheckpointMixin:
         # resolved to must still leave through retention, not stay behind untracked forever.
         self._dcp_rng_of_save = None  # from a save before this fit: not this fit's stream
         renamed, self._dcp_renamed_ckpt_path = getattr(self, "_dcp_renamed_ckpt_path", None), None
-        connector = getattr(getattr(self.lightning_module, "_trainer", None), "_checkpoint_connector", None)
-        if renamed is not None and connector is not None and connector._ckpt_path == renamed[1]:
-            connector._ckpt_path = renamed[0]
+        trainer = compat.trainer_of(self.lightning_module)
+        if renamed is not None and trainer is not None and compat.resume_path(trainer) == renamed[1]:
+            compat.rename_resume_path(trainer, renamed[0])
         super().on_train_start()
 
     def teardown(self) -> None:
@@ -246,14 +247,14 @@ class DCPCheckpointMixin:
     def _fitting(self) -> bool:
         from lightning.pytorch.trainer.states import TrainerFn
 
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = compat.trainer_of(self.lightning_module)
         return bool(self.optimizers) and (trainer is None or trainer.state.fn == TrainerFn.FITTING)
 
     def _is_last_alias(self, path: Path) -> bool:
         """Whether ``path`` is a ModelCheckpoint "last" name (what ``ckpt_path="last"`` resolves to)."""
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = compat.trainer_of(self.lightning_module)
         for cb in getattr(trainer, "checkpoint_callbacks", None) or []:
             if not isinstance(cb, ModelCheckpoint) or not cb.dirpath:
                 continue
@@ -297,11 +298,11 @@ class DCPCheckpointMixin:
     def _name_loaded_checkpoint(self, path: Path) -> None:
         # Lightning's "Restored all states from the checkpoint at ..." prints the connector's
         # _ckpt_path, the name it asked for ("last.ckpt"); make it name the directory really loaded.
-        connector = getattr(getattr(self.lightning_module, "_trainer", None), "_checkpoint_connector", None)
-        if connector is None or not connector._ckpt_path:
+        trainer = compat.trainer_of(self.lightning_module)
+        if trainer is None or not compat.resume_path(trainer):
             return
-        self._dcp_renamed_ckpt_path = (connector._ckpt_path, str(path))
-        connector._ckpt_path = str(path)
+        self._dcp_renamed_ckpt_path = (compat.resume_path(trainer), str(path))
+        compat.rename_resume_path(trainer, str(path))
 
     def _stage_rng_restore(self, path: Path, comm: Comm) -> None:
         saved = rng.count_saved_ranks(path)

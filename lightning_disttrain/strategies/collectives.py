@@ -13,7 +13,6 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from typing_extensions import override
@@ -22,6 +21,7 @@ from lightning_disttrain import comm
 
 _OP_NAMES = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min",
              ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min", ReduceOp.AVG: "mean"}
+
 
 
 def _op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> str:
@@ -42,7 +42,7 @@ class CollectivesMixin:
     def dp_process_group(self) -> Optional[dist.ProcessGroup]:
         """The group of data-parallel ranks (None: every rank, i.e. no other parallelism)."""
         dims = getattr(self, "_parallel_dims", None)
-        if dims is None or not _distributed_is_initialized() or dims.dp_size == dims.world_size:
+        if dims is None or not comm.is_distributed() or dims.dp_size == dims.world_size:
             return None
         return dims.get_mesh("dp").get_group()
 
@@ -59,7 +59,7 @@ class CollectivesMixin:
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
         """In place over ``group`` (default: the data-parallel ranks), as Lightning's ``_sync_ddp``:
         ``"mean"`` sums and divides by the group's size (integers: the quotient, cast back)."""
-        if not isinstance(tensor, torch.Tensor) or not _distributed_is_initialized():
+        if not isinstance(tensor, torch.Tensor) or not comm.is_distributed():
             return tensor
         group = group if group is not None else self.dp_process_group
         name = _op_name(reduce_op)

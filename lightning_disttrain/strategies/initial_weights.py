@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_disttrain.models.param_init import init_settings
+from lightning_disttrain import comm
+from lightning_disttrain.models.param_init import init_settings, layout_independent_init
 from lightning_disttrain.parallel.fsdp import offload_safe_to_device
 from lightning_disttrain.parallel.materialize import broadcast_module_, materialize_
 from lightning_disttrain.parallel.rng import agreed_seed
 
-
-def layout_independent_init(module: nn.Module) -> bool:
-    """Whether ``module`` initialises every weight through ``models.param_init`` (a generator per
-    parameter name: the values do not depend on the layout, the order of draws or the ranks)."""
-    return bool(getattr(module, "layout_independent_init", False))
 
 
 class InitialWeightsMixin:
@@ -59,7 +54,7 @@ class InitialWeightsMixin:
         # Like DDP: rank 0's initial weights win. Unseeded ranks would otherwise build different
         # models, and HSDP replicas (or TP ranks) would train different weights without noticing.
         # comm stages each tensor on the group's device (a module built in __init__ is on the host).
-        if not (_distributed_is_initialized() and self.world_size > 1):
+        if not (comm.is_distributed() and self.world_size > 1):
             return
         # Over the ranks that hold the same pipeline stage(s): the whole world when pp = 1.
         group = self.parallel_dims.get_mesh("stage").get_group()

@@ -36,33 +36,33 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
+from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain.parallel.fsdp import (
-    already_parallelized,
     install_mesh_aware_clipping,
     mp_policy_for_precision,
 )
-from lightning_disttrain.parallel.materialize import dtensor_rng_supported, has_meta_tensors
 from lightning_disttrain.parallel.mesh import ParallelDims
 from lightning_disttrain.parallel.pipeline import PipelineOptions
-from lightning_disttrain.parallel.recipe import EPSettings, FSDPSettings, PipelineSettings, TPSettings, parallelize
+from lightning_disttrain.parallel.recipe import (
+    EPSettings,
+    FSDPSettings,
+    Host,
+    PipelineSettings,
+    TPSettings,
+    parallelize,
+)
 from lightning_disttrain.parallel.rng import seed_training_streams
 from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_async_tp
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
 from lightning_disttrain.strategies.collectives import CollectivesMixin
-from lightning_disttrain.strategies.initial_weights import InitialWeightsMixin, layout_independent_init
+from lightning_disttrain.strategies.initial_weights import InitialWeightsMixin
 from lightning_disttrain.strategies.pipeline_steps import PipelineStepMixin
 from lightning_disttrain.strategies.steps import StepMixin
 
@@ -70,7 +70,8 @@ from lightning_disttrain.strategies.steps import StepMixin
 _SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
 
 
-class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWeightsMixin, ParallelStrategy):
+class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWeightsMixin,
+                      compat.SubprocessLauncherStrategy, ParallelStrategy):
     """Everything of ``NDParallelStrategy`` but checkpointing. A base class rather than the class
     itself so that ``DCPCheckpointMixin`` sits above these methods in the MRO: its ``teardown``
     (which finishes an async save) reaches ours through ``super()`` instead of being hidden by it."""
@@ -203,7 +204,7 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         # Validate here, at Trainer construction, so a bad layout fails before processes are launched.
-        if getattr(self._precision_plugin, "precision", None) == "16-mixed":
+        if getattr(self.precision_plugin, "precision", None) == "16-mixed":
             # GradScaler's inf check sees only each rank's gradient shards: ranks could disagree on
             # skipping a step and drift apart (Lightning's ModelParallelStrategy refuses it too).
             raise ValueError(f"{type(self).__name__} does not support precision='16-mixed' (a grad scaler over "
@@ -235,20 +236,15 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
                              f"parallel_plan() returning a ParallelPlan with tp_block_plan / tp_root_plan, or set tp=1")
         if dims.pp_enabled and module is not None:
             self._validate_pipeline_early(module, config)
-        seq_len = getattr(getattr(getattr(module, "_trainer", None), "datamodule", None), "seq_len", None)
+        seq_len = getattr(getattr(compat.trainer_of(module), "datamodule", None), "seq_len", None)
         if dims.tp_enabled and self.tp_options.sequence_parallel and isinstance(seq_len, int) and seq_len % dims.tp:
             raise ValueError(f"sequence parallel splits each sequence across tp={dims.tp} ranks, but the data "
                              f"module's seq_len={seq_len} is not divisible by {dims.tp}: use seq_len="
                              f"{seq_len + (-seq_len) % dims.tp}, or sequence_parallel=False")
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
     def setup_environment(self) -> None:
+        compat.check()  # a Lightning whose privates we use changed: say so before any rank starts
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()  # validates the degrees against the final world size, before the group
@@ -256,25 +252,26 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         if self.tp_options.async_tp and self.root_device.type != "cuda":
             raise ValueError(f"async_tp=True needs CUDA GPUs (symmetric memory between the TP ranks); this run is "
                              f"on {self.root_device.type!r}: set async_tp=False")
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or compat.default_process_group_backend(
             self.root_device)
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        compat.init_process_group(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._device_mesh is None:  # a second fit/validate with this strategy keeps its mesh
             self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
             if self.tp_options.async_tp and self.parallel_dims.tp_enabled:
                 enable_async_tp(self.parallel_dims.get_mesh("tp"))
         if self.lightning_module is not None:
-            self.lightning_module._device_mesh = self._device_mesh
-            trainer = getattr(self.lightning_module, "_trainer", None)
+            compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
+            trainer = compat.trainer_of(self.lightning_module)
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
                 # Safe on SIGTERM without asking: a run with no PreemptionCheckpoint gets one that
                 # saves nothing but makes every rank agree and exit (callbacks/preemption.py).
                 from lightning_disttrain.callbacks.preemption import ensure_signal_safety
 
                 ensure_signal_safety(trainer)
+                compat.fix_epoch_description(trainer)  # "Epoch 0/-2" under max_steps (issue 28)
 
     # -- model setup ------------------------------------------------------------------------
 
@@ -291,9 +288,9 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        if not getattr(module, "_disttrain_parallelized", False):  # a later validate/test reuses it
+        if not getattr(module, "_ldt_parallelized", False):  # a later validate/test reuses it
             self._parallelize(module)
-            module._disttrain_parallelized = True
+            module._ldt_parallelized = True
             # Dropout: independent across data-parallel ranks and pipeline stages, one stream per
             # TP group (parallel/rng.py). A resumed run restores the saved streams after this.
             dims = self.parallel_dims
@@ -302,52 +299,20 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             # Fresh optimizers over the sharded parameters (also after a previous stage's setup).
-            self._reset_optimizers_and_schedulers()
+            self.optimizers, self.lr_scheduler_configs = [], []
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._install_grad_clipping()
         if self._pipeline is not None and trainer.state.fn == TrainerFn.FITTING:
             self._guard_zero_grad()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: pl.LightningModule) -> None:
-        """Precision conversion, initial weights, ``parallelize`` (every transform, in order)."""
+        """The settings of each parallelism, then ``parallel.recipe.parallelize``: the one
+        function that runs every step in its order (precision cast, pipeline split, initial
+        weights, float8, TP, EP, activation checkpointing, compile, FSDP2, sharded init)."""
         dims = self.parallel_dims  # checked against the model in _validate_model_early
-        self.precision_plugin.convert_module(module)  # e.g. bf16-true: cast before sharding
-        # A module that sharded itself in configure_model (the ModelParallelStrategy way) keeps
-        # its own sharding; ours would wrap it a second time.
-        self_sharded = already_parallelized(module)
-        if self_sharded and self.transforms.has("dtype"):
-            raise ValueError(f"{type(module).__name__} parallelized itself in configure_model, so callbacks that "
-                             f"swap layers ({self.transforms.names()}) can no longer run before sharding; convert "
-                             f"the layers in configure_model before fully_shard, or leave the sharding to us")
-        if self_sharded:
-            rank_zero_info(f"{type(module).__name__} is already sharded (fully_shard / parallelize_module in "
-                           f"configure_model): {type(self).__name__} keeps that and skips its own FSDP stage")
-        if self_sharded and dims.ep_enabled:
-            raise ValueError(f"{type(module).__name__} sharded itself in configure_model; ep > 1 must split its "
-                             f"experts first: leave the sharding to {type(self).__name__}, or set ep=1")
-        pipeline = None
-        if dims.pp_enabled:
-            if self_sharded:
-                raise ValueError(f"{type(module).__name__} sharded itself in configure_model; pp > 1 must split it "
-                                 f"first: leave the sharding to {type(self).__name__}, or set pp=1")
-            # Before weights are materialised or broadcast: each rank keeps (and initialises) only
-            # its stages, so no rank ever holds the whole model.
-            summary = self._split_pipeline(module)
-            pipeline = PipelineSettings(stages=self.pipeline_stage_modules, summary=summary)
-        on_meta = has_meta_tensors(module)
-        # A layout-independent initialisation (GPT: a generator per parameter name) runs after
-        # sharding, each rank drawing only what it keeps. Any other module's initialisers run on
-        # DTensor shards only where DTensor's RNG makes a shard the slice of one full random
-        # tensor (CUDA-like meshes); elsewhere the model is materialised whole first, then sharded.
-        sharded_init = on_meta and (self_sharded or layout_independent_init(module)
-                                    or dtensor_rng_supported(self.device_mesh))
-        if on_meta and not sharded_init:
-            self._materialize(module)
-        elif not on_meta and not self_sharded:
-            self._sync_initial_weights(module)
         precision = getattr(self.precision_plugin, "precision", None)
         ctx = TransformContext(device=self.root_device, mesh=self.device_mesh, dims=dims,
                                precision=None if precision is None else str(precision))
@@ -357,19 +322,27 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         # stays plain, and FSDP would only copy them in and out (about a tenth of the step:
         # docs/benchmarks.md, section 11).
         mp_policy = self.mp_policy or mp_policy_for_precision(ctx.precision)
-        no_fsdp = (pipeline is not None and not dims.tp_enabled and dims.dp_size == 1 and not self.cpu_offload
+        no_fsdp = (dims.pp_enabled and not dims.tp_enabled and dims.dp_size == 1 and not self.cpu_offload
                    and mp_policy == MixedPrecisionPolicy())
-        fsdp = None if self_sharded or no_fsdp else FSDPSettings(
+        fsdp = None if no_fsdp else FSDPSettings(
             mesh=dims.get_mesh("fsdp"), mp_policy=mp_policy,
             # Under pp the schedule runs many micro-batches' forwards before their backwards: the
             # parameters stay gathered from forward to backward (torchtitan does the same).
-            reshard_after_forward=False if pipeline else self.reshard_after_forward, cpu_offload=self.cpu_offload)
-        tp = TPSettings(dims.get_mesh("tp"), self.tp_options) if dims.tp_enabled and not self_sharded else None
+            reshard_after_forward=False if dims.pp_enabled else self.reshard_after_forward,
+            cpu_offload=self.cpu_offload)
+        tp = TPSettings(dims.get_mesh("tp"), self.tp_options) if dims.tp_enabled else None
         ep = EPSettings(dims.get_mesh("ep"), dims.get_mesh("efsdp"), grad_divide_factor=dims.fsdp_size) \
             if dims.ep_enabled else None
-        done = parallelize(module, ctx, self.transforms, compile_options=self.compile_options, tp=tp, ep=ep,
-                           fsdp=fsdp, pipeline=pipeline)
-        if no_fsdp:
+        host = Host(convert_precision=self.precision_plugin.convert_module,
+                    split_pipeline=self._pipeline_settings if dims.pp_enabled else None,
+                    materialize=self._materialize, sync_initial_weights=self._sync_initial_weights,
+                    to_device=self.model_to_device)
+        done = parallelize(module, ctx, self.transforms, host=host, compile_options=self.compile_options,
+                           tp=tp, ep=ep, fsdp=fsdp)
+        if done.self_sharded:
+            rank_zero_info(f"{type(module).__name__} is already sharded (fully_shard / parallelize_module in "
+                           f"configure_model): {type(self).__name__} keeps that and skips its own TP/FSDP stages")
+        elif no_fsdp:
             done.steps.append("no fsdp (one data-parallel rank, full precision: nothing to shard)")
         self.parallelized_steps = done.steps
         self._root_is_lightning_module = (done.fsdp_root is module if done.fsdp_root is not None
@@ -378,10 +351,11 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
             from lightning_disttrain.parallel.compile import RecompileWatcher
 
             self._recompile_watcher = RecompileWatcher()  # warns when shapes change between steps
-        if sharded_init:
-            self._materialize(module)
-        self.model_to_device()
         rank_zero_info(f"{type(self).__name__} ({dims}): " + "; ".join(done.steps or ["no transforms"]))
+
+    def _pipeline_settings(self, module: torch.nn.Module) -> PipelineSettings:
+        summary = self._split_pipeline(module)
+        return PipelineSettings(stages=self.pipeline_stage_modules, summary=summary)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -390,10 +364,10 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         super().on_train_batch_start(batch, batch_idx)
 
     def _install_grad_clipping(self) -> None:
-        if self._precision_plugin is None:
-            self._precision_plugin = Precision()
+        plugin = self.precision_plugin  # Lightning's default plugin when none was set: keep that instance
+        self.precision_plugin = plugin
         pp_mesh = self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None
-        install_mesh_aware_clipping(self._precision_plugin, pp_mesh=pp_mesh)
+        install_mesh_aware_clipping(plugin, pp_mesh=pp_mesh)
 
     @override
     def teardown(self) -> None:

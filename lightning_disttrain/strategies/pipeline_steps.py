@@ -53,6 +53,7 @@ import torch.nn as nn
 from typing_extensions import override
 
 from lightning_disttrain import comm
+from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain.parallel.pipeline import PipelineOptions, PipelineRunner, split_blocks, split_model, stage_ids
 from lightning_disttrain.parallel.plan import find_parallel_plan
 
@@ -98,7 +99,7 @@ class PipelineStepMixin:
                              f"(automatic_optimization=False) cannot call backward itself; use automatic "
                              f"optimization, or pp=1")
         n_layer = getattr(config, "n_layer", None)
-        dm = getattr(getattr(module, "_trainer", None), "datamodule", None)
+        dm = getattr(compat.trainer_of(module), "datamodule", None)
         batch = getattr(dm, "batch_size", None)
         self.pp_options.validate(pp, n_layer if isinstance(n_layer, int) else None,
                                  batch if isinstance(batch, int) else None)

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_disttrain.parallel.fsdp import reshard, set_gradient_sync
+from lightning_disttrain import _lightning_compat as compat
 
 
 class StepMixin:
@@ -80,7 +81,8 @@ class StepMixin:
         with context(), self._loss_context():
             if self._root_is_lightning_module:
                 # FSDP's root hooks fire in __call__: enter *_step through the module's forward.
-                return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
+                return compat.forward_redirection(self, self.lightning_module, self.lightning_module, method,
+                                                  *args, **kwargs)
             return getattr(self.lightning_module, method)(*args, **kwargs)
 
     @override

@@ -1,0 +1,342 @@
+"""Every use of a Lightning (and LightningCLI's jsonargparse) private, in one module.
+
+Lightning has no public hook for a few things the strategies and callbacks must do: rename the
+checkpoint a resume loaded, translate ``ckpt_path="auto"`` at the restore, make Lightning's signal
+handlers only set a flag, change ``ModelCheckpoint(every_n_train_steps)`` after a measured save,
+stop the launcher's child-process watchdog before a deliberate exit, swap the norm in the
+precision plugin's clipping, and so on. Each such use is an accessor here, with one line on why,
+so that a Lightning release that changes one breaks here, loudly, and nowhere else.
+
+Checked against: ``lightning`` 2.6.x (2.6.6) and ``jsonargparse`` 4.53. ``check()`` verifies every
+private below is present in the installed versions (``tests/test_lightning_compat.py`` runs it, and
+asserts each accessor fails with :class:`LightningCompatError` rather than silently misbehaving
+when its private is gone). ``tests/test_private_seams.py`` keeps such uses out of every other
+module. Where Lightning has a public way, the package uses it instead (``strategy.optimizers = []``
+for ``_reset_optimizers_and_schedulers``, the ``precision_plugin`` property, ``torch.distributed``
+for ``_distributed_is_initialized``, ``LightningOptimizer.optimizer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+CHECKED_VERSIONS = "lightning 2.6.x, jsonargparse 4.53"
+
+
+class LightningCompatError(RuntimeError):
+    """A Lightning private this package relies on is missing or changed in the installed version."""
+
+
+def _fail(what: str, why: str) -> LightningCompatError:
+    import lightning
+
+    return LightningCompatError(
+        f"lightning-disttrain relies on Lightning's private {what} ({why}), which the installed lightning "
+        f"{lightning.__version__} does not have; it was checked against {CHECKED_VERSIONS}. Install a checked "
+        f"version (pip install 'lightning>=2.6,<2.7') or report this to lightning-disttrain")
+
+
+def _require(obj: Any, name: str, why: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise _fail(f"{type(obj).__name__}.{name}", why) from None
+
+
+# -- the trainer a module is attached to ------------------------------------------------------
+
+
+def trainer_of(module: Any) -> Any | None:
+    """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises instead
+    of answering None when detached, and the strategy asks before and after attachment)."""
+    if module is None:
+        return None
+    return _require(module, "_trainer", "LightningModule.trainer raises when detached")
+
+
+def set_module_device_mesh(module: Any, mesh: Any) -> None:
+    """Give ``module.device_mesh`` its mesh: the property is read-only, and Lightning's own
+    ModelParallelStrategy sets the attribute behind it."""
+    _require(module, "_device_mesh", "what LightningModule.device_mesh returns")
+    module._device_mesh = mesh
+
+
+# -- the checkpoint a resume loads ------------------------------------------------------------
+
+
+def _checkpoint_connector(trainer: Any) -> Any:
+    return _require(trainer, "_checkpoint_connector", "the restore of ckpt_path")
+
+
+def resume_path(trainer: Any) -> Any:
+    """The path the restore asked for (``trainer.ckpt_path`` reads the same)."""
+    return _require(_checkpoint_connector(trainer), "_ckpt_path", "the path the restore loads")
+
+
+def rename_resume_path(trainer: Any, path: Any) -> None:
+    """Name the checkpoint really loaded in Lightning's "Restored all states from ..." message and
+    in ``trainer.ckpt_path``, without the public setter's side effect (``_user_managed=True``
+    would keep the path for a later validate/test)."""
+    connector = _checkpoint_connector(trainer)
+    _require(connector, "_ckpt_path", "the path the restore loads")
+    connector._ckpt_path = path
+
+
+def translate_resume_path_once(trainer: Any, translate: Callable[[Any], Any]) -> None:
+    """Route the next ``resume_start(checkpoint_path)`` through ``translate``: Lightning passes a
+    ckpt_path it does not know ("auto") unchanged to the restore, which runs after every setup hook,
+    so no public hook sees it in time. Installed on the instance, removed after one call."""
+    connector = _checkpoint_connector(trainer)
+    if "resume_start" in vars(connector):
+        return  # already installed for this fit
+    original = _require(connector, "resume_start", "the restore's entry")
+
+    def resume_start(checkpoint_path=None, weights_only=None):
+        del connector.resume_start  # once per fit
+        return original(translate(checkpoint_path), weights_only)
+
+    connector.resume_start = resume_start
+
+
+# -- signals, the launcher --------------------------------------------------------------------
+
+
+def route_lightning_signal_handlers(trainer: Any, handler: Callable[..., None]) -> None:
+    """Make the handlers Lightning registers before training (SIGTERM notifier, SLURM SIGUSR1
+    requeue, each with a broadcast inside) call ``handler`` instead: a signal is then only a flag,
+    and the preemption callback agrees on it at a step boundary. Lightning's teardown restores the
+    handlers it found."""
+    connector = _require(trainer, "_signal_connector", "the handlers Lightning registers")
+    _require(connector, "_sigterm_notifier_fn", "Lightning's SIGTERM handler")
+    _require(connector, "_slurm_sigusr_handler_fn", "Lightning's SLURM requeue handler")
+    connector._sigterm_notifier_fn = handler
+    connector._slurm_sigusr_handler_fn = handler
+
+
+def stop_child_process_watchdog() -> None:
+    """Under Lightning's subprocess launcher, rank 0's "child-process-observer" thread SIGKILLs
+    every rank when a child exits non-zero; before a deliberate exit with a non-zero code (after a
+    complete checkpoint), stop it from watching."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer":
+            _require(thread, "_child_processes", "the launcher's watched children")
+            thread._child_processes = []
+
+
+def subprocess_script_launcher(cluster_environment: Any, num_processes: int, num_nodes: int) -> Any:
+    """Lightning's launcher that re-runs the script once per local rank (what ``ddp`` and
+    ``ModelParallelStrategy`` use; the class is private, the behaviour is Lightning's default)."""
+    try:
+        from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+    except ImportError:
+        raise _fail("_SubprocessScriptLauncher", "the launcher of local ranks") from None
+    return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
+
+
+class SubprocessLauncherStrategy:
+    """Mixin for a ParallelStrategy: the launcher Lightning's DDP/ModelParallel strategies use
+    (``Strategy._configure_launcher`` is the private hook the connector calls)."""
+
+    def _configure_launcher(self) -> None:
+        environment = self.cluster_environment  # type: ignore[attr-defined]
+        assert environment is not None
+        if not environment.creates_processes_externally:
+            self._launcher = subprocess_script_launcher(environment, self.num_processes,  # type: ignore[attr-defined]
+                                                        self.num_nodes)  # type: ignore[attr-defined]
+
+
+def init_process_group(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """Lightning's process-group start (exports MASTER_ADDR/PORT from the cluster environment,
+    then ``torch.distributed.init_process_group``), as its own strategies do it."""
+    try:
+        from lightning.fabric.utilities.distributed import _init_dist_connection
+    except ImportError:
+        raise _fail("_init_dist_connection", "the process-group start") from None
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def default_process_group_backend(device: Any) -> str:
+    """Lightning's backend for a device type ("nccl" for cuda, "gloo" for cpu, ...)."""
+    try:
+        from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+    except ImportError:
+        raise _fail("_get_default_process_group_backend_for_device", "the backend for a device") from None
+    return _get_default_process_group_backend_for_device(device)
+
+
+def optimizers_to_device(optimizers: Any, device: Any) -> None:
+    """Move optimizer state to ``device`` (Lightning's helper for the same after a restore)."""
+    try:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+    except ImportError:
+        raise _fail("_optimizers_to_device", "optimizer state to the device") from None
+    _optimizers_to_device(optimizers, device)
+
+
+# -- strategy internals -----------------------------------------------------------------------
+
+
+def forward_redirection(strategy: Any, wrapper: Any, original: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``original.<method>`` through ``wrapper.forward`` (FSDP2's root hooks fire in
+    ``__call__``): Lightning's own strategies do it with the private ``_forward_redirection``."""
+    return _require(strategy, "_forward_redirection", "*_step through the module's forward")(
+        wrapper, original, method, *args, **kwargs)
+
+
+def install_clip_grad_by_norm(precision_plugin: Any, clip: Callable[[Any, float], None]) -> None:
+    """Replace the norm clipping of one precision plugin instance: Lightning clips through
+    ``precision_plugin.clip_grad_by_norm`` and picks the plugin's class from the precision string,
+    so overriding the method on the instance keeps autocast/scaler and swaps only the norm."""
+    _require(precision_plugin, "clip_grad_by_norm", "Lightning's norm clipping")
+    precision_plugin.clip_grad_by_norm = clip
+
+
+# -- ModelCheckpoint --------------------------------------------------------------------------
+
+
+def every_n_train_steps(callback: Any) -> int:
+    """``ModelCheckpoint(every_n_train_steps=...)`` as configured (no public getter)."""
+    return _require(callback, "_every_n_train_steps", "ModelCheckpoint's step cadence")
+
+
+def set_every_n_train_steps(callback: Any, steps: int) -> None:
+    """Change a ModelCheckpoint's step cadence after the run measured its save cost."""
+    _require(callback, "_every_n_train_steps", "ModelCheckpoint's step cadence")
+    callback._every_n_train_steps = int(steps)
+
+
+def last_checkpoint_saved(callback: Any) -> str:
+    """The newest path a ModelCheckpoint saved (any kind: top-k, last, every-n), "" if none."""
+    return _require(callback, "_last_checkpoint_saved", "the newest save of a ModelCheckpoint")
+
+
+# -- progress bar -----------------------------------------------------------------------------
+
+
+def fix_epoch_description(trainer: Any) -> None:
+    """With ``max_steps`` (and no ``max_epochs``) Lightning sets ``max_epochs=-1`` and its rich
+    progress bar prints "Epoch 0/-2": show "Epoch 0" there, as the tqdm bar does. Only Lightning's
+    own RichProgressBar (not a user's subclass) and only when the epoch count is unbounded."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if type(bar) is not RichProgressBar or (trainer.max_epochs is not None and trainer.max_epochs >= 0):
+        return
+    if not hasattr(bar, "_get_train_description"):
+        return  # cosmetic: a Lightning without the method prints its own label (COSMETIC, below)
+
+    def describe(current_epoch: int) -> str:
+        label = f"Epoch {current_epoch}"
+        width = len(getattr(bar, "validation_description", ""))
+        return f"{label:{width}}" if width > len(label) else label
+
+    bar._get_train_description = describe
+
+
+# -- LightningCLI's parser (jsonargparse) -----------------------------------------------------
+
+
+def parser_option_names(parser: Any) -> list[str]:
+    """The option names a (jsonargparse/argparse) parser accepts, for a "did you mean"."""
+    actions = _require(parser, "_actions", "the parser's options")
+    return [a.dest for a in actions if a.dest and a.dest != "help"]
+
+
+def parser_instantiators(parser: Any) -> dict:
+    """The class instantiators LightningCLI registered on its parser (wrapped to remember which
+    constructor refused its config)."""
+    return dict(_require(parser, "_instantiators", "LightningCLI's instantiators") or {})
+
+
+# -- the check ----------------------------------------------------------------------------------
+
+PRIVATES: tuple[tuple[str, str | None], ...] = (
+    ("lightning.pytorch.core.module.LightningModule", "_trainer"),
+    ("lightning.pytorch.core.module.LightningModule", "_device_mesh"),
+    ("lightning.pytorch.trainer.trainer.Trainer", "_checkpoint_connector"),
+    ("lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector", "_ckpt_path"),
+    ("lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector", "resume_start"),
+    ("lightning.pytorch.trainer.trainer.Trainer", "_signal_connector"),
+    ("lightning.pytorch.trainer.connectors.signal_connector._SignalConnector", "_sigterm_notifier_fn"),
+    ("lightning.pytorch.trainer.connectors.signal_connector._SignalConnector", "_slurm_sigusr_handler_fn"),
+    ("lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver", "_child_processes"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher", None),
+    ("lightning.pytorch.strategies.strategy.Strategy", "_configure_launcher"),
+    ("lightning.pytorch.strategies.strategy.Strategy", "_forward_redirection"),
+    ("lightning.fabric.utilities.distributed._init_dist_connection", None),
+    ("lightning.fabric.utilities.distributed._get_default_process_group_backend_for_device", None),
+    ("lightning.fabric.utilities.optimizer._optimizers_to_device", None),
+    ("lightning.pytorch.plugins.precision.Precision", "clip_grad_by_norm"),
+    ("lightning.pytorch.callbacks.ModelCheckpoint", "_every_n_train_steps"),
+    ("lightning.pytorch.callbacks.ModelCheckpoint", "_last_checkpoint_saved"),
+    ("jsonargparse.ArgumentParser", "_actions"),
+    ("jsonargparse.ArgumentParser", "_instantiators"),
+)
+"""(object, attribute): each private a run relies on (attribute None: the object itself). An
+attribute set in ``__init__`` is found in the class's source (see ``check``)."""
+
+COSMETIC: tuple[tuple[str, str | None], ...] = (
+    ("lightning.pytorch.callbacks.RichProgressBar", "_get_train_description"),
+)
+"""Privates whose absence changes only what is printed: ``check(cosmetic=True)`` (the test) covers
+them, the run's own check does not stop a run for them (``fix_epoch_description`` skips instead)."""
+
+
+def _resolve(dotted: str) -> Any:
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+_CHECKED: set[bool] = set()
+
+
+def _assigned_in_source(cls: Any, attr: str) -> bool:
+    """Whether a class of ``cls``'s MRO assigns ``self.<attr>`` (an instance attribute set in
+    ``__init__``), read from the source files (no source available: assume it does)."""
+    import re
+    import sys
+
+    pattern = re.compile(rf"self\.{re.escape(attr)}\s*(:[^=]*)?=[^=]")
+    readable = False
+    for klass in getattr(cls, "__mro__", (cls,)):
+        path = getattr(sys.modules.get(klass.__module__), "__file__", None)
+        try:
+            text = open(path, encoding="utf-8").read() if path else None
+        except OSError:
+            text = None
+        if text is None:
+            continue
+        readable = True
+        if pattern.search(text):
+            return True
+    return not readable
+
+
+def check(cosmetic: bool = False) -> None:
+    """Raise :class:`LightningCompatError` naming the first private of ``PRIVATES`` (and
+    ``COSMETIC`` if asked) the installed Lightning lacks: a class attribute, or ``self.<name>`` in
+    the class's source. The strategies run it once per process, before the process group."""
+    if cosmetic in _CHECKED:
+        return
+    for dotted, attr in PRIVATES + (COSMETIC if cosmetic else ()):
+        try:
+            obj = _resolve(dotted)
+        except (ImportError, AttributeError):
+            raise _fail(dotted, "see lightning_disttrain/_lightning_compat.py") from None
+        if attr is None or hasattr(obj, attr):
+            continue
+        if not _assigned_in_source(obj, attr):
+            raise _fail(f"{dotted}.{attr}", "see lightning_disttrain/_lightning_compat.py")
+    _CHECKED.add(cosmetic)
