@@ -28,6 +28,17 @@ from dist_utils import read_ranks, run_lightning_script  # noqa: E402
 _NEEDED: dict[int, list[tuple[str, str]]] = {}
 
 
+_LAUNCH_FIXTURES = {"launched", "two", "four"}
+
+
+def pytest_collection_modifyitems(config, items):
+    # Every test that waits on a multi-rank launch is ``slow``: ``-m "not slow"`` (README, the
+    # development subset) then starts no launch at all.
+    for item in items:
+        if _LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_finish(session):  # the selected items, after -k / -m deselection
     seen = set()
     for item in session.items:

@@ -99,6 +99,7 @@ def test_help_prints_no_warnings(tmp_path):
     assert not [n for n in NOISE if n in out.stderr] and "warn" not in out.stderr.lower(), out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_two_rank_fit_prints_no_alarming_warnings(tmp_path):
     out = _run(tmp_path, "fit", "--config", str(_config(tmp_path, devices=2, strategy="fsdp2", max_steps=2)))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -108,6 +109,7 @@ def test_two_rank_fit_prints_no_alarming_warnings(tmp_path):
 # ---- errors in a 2-rank run: the real one, once, last --------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fail, expected_last", [
     # rank 0 waits in a collective for rank 1, which raised: formerly its gloo error came last.
     ({"rank": 1, "message": "only rank 1 fails"}, "lightning-disttrain: error on rank 1: ValueError: only rank 1 fails"),

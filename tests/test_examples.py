@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_existing_project_example_trains_under_fsdp2_with_callbacks(tmp_path):
     # A LightningModule with no plan and no lightning-disttrain imports, on 2 gloo processes.
     out = subprocess.run(

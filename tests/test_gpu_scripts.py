@@ -65,6 +65,7 @@ def test_gpu_sh_parses():
     assert subprocess.run(["bash", "-n", str(BENCH / "gpu.sh")], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_layouts_dry_run_plans_torchrun_per_gpu_count_and_names_what_it_skips():
     one = _run(str(BENCH / "gpu_layouts.py"), "--dry-run", "--gpus", "1")
     assert one.returncode == 0, one.stderr[-3000:]
