@@ -24,6 +24,11 @@ FLAT_DIMS: dict[str, tuple[str, ...]] = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     "stage": ("dp_replicate", "dp_shard", "cp", "tp"),
+    # Lightning's ModelParallelStrategy names, for modules that parallelize themselves in
+    # configure_model (self.device_mesh["data_parallel"] / ["tensor_parallel"]): the same ranks
+    # as there (tensor parallel innermost, every other data rank in data_parallel).
+    "data_parallel": ("dp_replicate", "dp_shard", "cp"),
+    "tensor_parallel": ("tp",),
 }
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from lightning_disttrain.models.param_init import layout_independent_init
 from lightning_disttrain.parallel.fsdp import already_parallelized, apply_fsdp, check_tied_units, fsdp_root
@@ -93,8 +93,9 @@ class Parallelized:
     """The stages that changed the model, in order, with what ran there."""
     fsdp_root: nn.Module | None = None
     """The module FSDP wrapped as its root unit (None when FSDP did not run)."""
-    self_sharded: bool = False
-    """The module parallelized itself in ``configure_model`` (TP/FSDP skipped here)."""
+    self_sharded: str = ""
+    """How the module parallelized itself in ``configure_model``: "" (it did not), "tp" (DTensor
+    parameters, no FSDP: TP is skipped here, FSDP still applied) or "fsdp" (both skipped)."""
 
 
 def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformRegistry, *,
@@ -125,10 +126,14 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
     # A module that sharded itself in configure_model (Lightning's ModelParallelStrategy way)
     # keeps its sharding: TP and FSDP would wrap it a second time, and what must come before
     # sharding (a layer swap, the pipeline split, the expert split) can no longer run.
-    done.self_sharded = already_parallelized(module)
+    done.self_sharded = self_parallelized(module)
     if done.self_sharded:
         _refuse_after_self_sharding(module, transforms, host, ep)
-        tp = fsdp = None
+        tp = None
+        if done.self_sharded == "fsdp":
+            fsdp = None
+    elif tp is not None and not callable(getattr(module, "parallel_plan", None)):
+        raise ValueError(tp_plan_missing(module, tp.mesh.size()))
     # 1. pipeline split: each rank keeps only its blocks, before any weight is allocated or
     #    broadcast, so no rank ever holds the whole model.
     pipeline = host.split_pipeline(module) if host.split_pipeline is not None else None
@@ -140,7 +145,7 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
     #    random tensor (CUDA-like meshes). Anything else is materialised whole first, then
     #    sharded; an eagerly built module starts from rank 0's weights (as DDP does).
     on_meta = has_meta_tensors(module)
-    sharded_init = on_meta and (done.self_sharded or layout_independent_init(module)
+    sharded_init = on_meta and (bool(done.self_sharded) or layout_independent_init(module)
                                 or (mesh is not None and dtensor_rng_supported(mesh)))
     if on_meta and not sharded_init and host.materialize is not None:
         host.materialize(module)
@@ -211,6 +216,27 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
     if host.to_device is not None:
         host.to_device()
     return done
+
+
+def self_parallelized(module: nn.Module) -> str:
+    """"fsdp" when ``configure_model`` applied ``fully_shard``, "tp" when it only made DTensor
+    parameters (``parallelize_module``), else ""."""
+    if not already_parallelized(module):
+        return ""
+    return "fsdp" if any(isinstance(m, FSDPModule) for m in module.modules()) else "tp"
+
+
+def overrides_configure_model(module: Any) -> bool:
+    """Whether a LightningModule defines its own ``configure_model`` (where it may parallelize)."""
+    own = getattr(type(module), "configure_model", None)
+    return own is not None and getattr(own, "__qualname__", "").split(".")[0] not in ("LightningModule", "ModelHooks")
+
+
+def tp_plan_missing(module: Any, tp: int) -> str:
+    return (f"tp={tp} needs a tensor-parallel plan: define {type(module).__name__}.parallel_plan() returning a "
+            f"ParallelPlan with tp_block_plan / tp_root_plan, or parallelize the model yourself in configure_model "
+            f"(parallelize_module(..., self.device_mesh['tensor_parallel'], plan), as under Lightning's "
+            f"ModelParallelStrategy), or set tp=1")
 
 
 def _refuse_after_self_sharding(module: nn.Module, transforms: TransformRegistry, host: Host,

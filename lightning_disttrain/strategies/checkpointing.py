@@ -70,6 +70,21 @@ from lightning_disttrain.checkpoint.discovery import find_latest_checkpoint, lis
 _DEFAULT_LAST = re.compile(r"^last(-v\d+)?\.ckpt$")
 
 
+def _written_by_lightning(path: Path) -> bool:
+    """A sharded checkpoint of Lightning's ModelParallelStrategy: DCP's ``.metadata`` and ``meta.pt``
+    (the same names and keys as ours), but no manifest and no per-rank RNG files (one of ours that
+    was cut short has ``rng/``). It loads without verification, with a warning that says so."""
+    from lightning_disttrain.checkpoint.manifest import MANIFEST_NAME
+
+    found = (path.is_dir() and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
+             and not (path / MANIFEST_NAME).exists() and not (path / rng.RNG_DIR).exists())
+    if found:
+        rank_zero_warn(f"{str(path)!r} has no manifest.json: a checkpoint of Lightning's ModelParallelStrategy "
+                       f"(DCP shards + meta.pt); loading it without verification (a save that was cut short "
+                       f"cannot be told from a complete one), RNG streams start fresh")
+    return found
+
+
 class DCPCheckpointMixin:
     """Sharded, verified, resumable checkpoints for a Lightning ``ParallelStrategy``."""
 
@@ -291,7 +306,7 @@ class DCPCheckpointMixin:
                              f"directories; pass a directory written by trainer.save_checkpoint, or, to start "
                              f"from consolidated weights, call lightning_disttrain.checkpoint."
                              f"load_consolidated_into(module.model, file) in on_fit_start")
-        if self.checkpoint_verify:
+        if self.checkpoint_verify and not _written_by_lightning(path):
             verify(path)
         return path
 

@@ -55,7 +55,9 @@ from lightning_disttrain.parallel.recipe import (
     Host,
     PipelineSettings,
     TPSettings,
+    overrides_configure_model,
     parallelize,
+    tp_plan_missing,
 )
 from lightning_disttrain.parallel.rng import seed_training_streams
 from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_async_tp
@@ -231,9 +233,11 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
         if config is not None:
             dims.validate_for_model(config)
-        if dims.tp_enabled and module is not None and not callable(getattr(module, "parallel_plan", None)):
-            raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan: define {type(module).__name__}."
-                             f"parallel_plan() returning a ParallelPlan with tp_block_plan / tp_root_plan, or set tp=1")
+        if (dims.tp_enabled and module is not None and not callable(getattr(module, "parallel_plan", None))
+                and not overrides_configure_model(module)):
+            # A module with its own configure_model may parallelize itself there (Lightning's
+            # ModelParallelStrategy way): the recipe checks after it ran (parallelize's step 0).
+            raise ValueError(tp_plan_missing(module, dims.tp))
         if dims.pp_enabled and module is not None:
             self._validate_pipeline_early(module, config)
         seq_len = getattr(getattr(compat.trainer_of(module), "datamodule", None), "seq_len", None)
@@ -340,11 +344,14 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         done = parallelize(module, ctx, self.transforms, host=host, compile_options=self.compile_options,
                            tp=tp, ep=ep, fsdp=fsdp)
         if done.self_sharded:
-            rank_zero_info(f"{type(module).__name__} is already sharded (fully_shard / parallelize_module in "
-                           f"configure_model): {type(self).__name__} keeps that and skips its own TP/FSDP stages")
+            rank_zero_info(f"{type(module).__name__} parallelized itself in configure_model ("
+                           f"{'fully_shard' if done.self_sharded == 'fsdp' else 'parallelize_module'}): "
+                           f"{type(self).__name__} keeps that and skips its own TP"
+                           f"{'/FSDP' if done.self_sharded == 'fsdp' else ', then shards it with FSDP2'}")
         elif no_fsdp:
             done.steps.append("no fsdp (one data-parallel rank, full precision: nothing to shard)")
         self.parallelized_steps = done.steps
+        self._self_parallelized = done.self_sharded
         self._root_is_lightning_module = (done.fsdp_root is module if done.fsdp_root is not None
                                           else isinstance(module, FSDPModule))
         if self.compile_options is not None:

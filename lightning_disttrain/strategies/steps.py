@@ -35,6 +35,9 @@ class StepMixin:
     """True when no submodule holds all parameters, so FSDP's root is the LightningModule itself
     and its ``*_step`` methods must be entered through ``__call__`` for FSDP's hooks to run."""
 
+    _self_parallelized: str = ""
+    """How the module parallelized itself in ``configure_model`` (``recipe.Parallelized``)."""
+
     _gradient_sync_blocked: bool = False
     """True inside ``block_backward_sync``: a batch of an accumulation window but its last."""
 
@@ -61,7 +64,10 @@ class StepMixin:
         """Tensor parallel with vocabulary-sharded logits: the loss (forward and backward) must run
         under ``loss_parallel()``, which the strategy enters around each step and its backward."""
         dims = getattr(self, "_parallel_dims", None)
-        return dims is not None and dims.tp_enabled and self.tp_options.loss_parallel
+        # A module that parallelized itself owns its loss: it enters loss_parallel() itself (the
+        # context does not nest), as under Lightning's ModelParallelStrategy.
+        return (dims is not None and dims.tp_enabled and self.tp_options.loss_parallel
+                and not self._self_parallelized)
 
     @property
     def sequence_multiple(self) -> int:
