@@ -19,9 +19,7 @@ The stall ratio is async ``blocked`` / sync ``blocked``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import child_env, parser, random_tokens, report
 
 
 def _strategy(async_save: bool):
@@ -59,7 +58,7 @@ def _strategy(async_save: bool):
 
 def run_one(args) -> None:
     import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     from lightning_disttrain.checkpoint import MANIFEST_NAME
     from lightning_disttrain.module import GPTModule
@@ -109,9 +108,7 @@ def run_one(args) -> None:
                 if s["complete"] is None:
                     s["complete"] = time.perf_counter() - s["t0"]
 
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (256, args.seq_len + 1), generator=g)
-    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
+    data = DataLoader(random_tokens(256, args.seq_len, args.vocab), batch_size=args.batch)
     timer = Timer()
     trainer = L.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=args.steps,
                         callbacks=[timer], logger=False, enable_checkpointing=False,
@@ -152,16 +149,16 @@ def summarize(results: dict[str, dict], every: int) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, full_doc=True, steps=12)
     p.add_argument("--mode", choices=("both", "sync", "async"), default="both")
     p.add_argument("--config", default="small")
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="one mode: where its results go; both: the results of both "
+                   "(default: benchmarks/out/checkpoint.json)")
     args = p.parse_args()
     if args.mode != "both":
         run_one(args)
@@ -170,13 +167,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("sync", "async"):
             out = Path(tmp) / f"{mode}.json"
-            env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
             cmd = [sys.executable, __file__, "--mode", mode, "--config", args.config, "--vocab", str(args.vocab),
                    "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps),
                    "--every", str(args.every), "--dir", str(Path(args.dir or tmp) / mode), "--json", str(out)]
-            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(cmd, env=child_env(), check=True, stdout=subprocess.DEVNULL)
             results[mode] = json.loads(out.read_text())
-    print(summarize(results, args.every))
+    text = summarize(results, args.every)
+    report("checkpoint", {mode: {k: v for k, v in r.items() if not k.startswith("_")} for mode, r in results.items()},
+           text, out=args.json)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ Everything runs in a temporary directory; nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -24,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import header, load1, parser, report, table
 
 from lightning_disttrain.data import TokenDataModule, get_tokenizer, prepare
 from lightning_disttrain.data.embedded import embedded_files
@@ -73,10 +72,10 @@ def bench_loader(shards: Path, batch_size: int, seq_len: int, num_workers: int, 
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
-    parser.add_argument("--seconds", type=float, default=3.0, help="minimum time per loader measurement")
-    args = parser.parse_args(argv)
+    p = parser(__doc__, full_doc=True, out=(None, "where the results go as JSON (default: benchmarks/out/data.json)"))
+    p.add_argument("--seconds", type=float, default=3.0, help="minimum time per loader measurement")
+    args = p.parse_args(argv)
+    header("bench_data", platform.platform())
     cpus = os.cpu_count() or 1
     results = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -89,7 +88,7 @@ def main(argv=None) -> dict:
     # Warm-up outside the timings: the stdlib files into the page cache, the GPT-2 ranks parsed.
     sum(len(f.read_text()) for f in embedded_files())
     get_tokenizer("gpt2").encode("warm up")
-    results["machine"]["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    results["machine"]["load_avg_1m"] = round(load1(), 2)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for num_proc in dict.fromkeys([cpus, 1]):
@@ -98,23 +97,16 @@ def main(argv=None) -> dict:
         for batch_size, seq_len, workers in LOADER_CONFIGS:
             results["loader"].append(bench_loader(shards, batch_size, seq_len, workers, args.seconds))
 
-    print(f"# bench_data  {results['date']}  ({results['command']})")
-    m = results["machine"]
-    print(f"# {m['cpus']} CPUs (1-min load average {m['load_avg_1m']} at start), {m['platform']}, "
-          f"Python {m['python']}, torch {m['torch']}")
-    print("\nprepare (embedded corpus, gpt2 tokenizer, full corpus)")
-    print(f"{'num_proc':>8} {'tokens':>10} {'docs':>6} {'seconds':>8} {'tokens/s':>12}")
-    for r in results["prepare"]:
-        print(f"{r['num_proc']:>8} {r['tokens']:>10,} {r['documents']:>6} {r['seconds']:>8.2f} {r['tokens_per_s']:>12,}")
-    print("\nTokenDataModule train loader (x, y int64)")
-    print(f"{'batch':>5} {'seq':>5} {'workers':>7} {'batches':>8} {'seconds':>8} {'tokens/s':>12}")
-    for r in results["loader"]:
-        print(f"{r['batch_size']:>5} {r['seq_len']:>5} {r['num_workers']:>7} {r['batches']:>8} "
-              f"{r['seconds']:>8.2f} {r['tokens_per_s']:>12,}")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"\nwrote {args.out}")
+    report("data", results, "\n".join([
+        f"# 1-min load average {results['machine']['load_avg_1m']} after the warm-up", "",
+        "prepare (embedded corpus, gpt2 tokenizer, full corpus)",
+        table([("num_proc", ""), ("tokens", ","), ("docs", ""), ("seconds", ".2f"), ("tokens/s", ",")],
+              [(r["num_proc"], r["tokens"], r["documents"], r["seconds"], r["tokens_per_s"])
+               for r in results["prepare"]]),
+        "", "TokenDataModule train loader (x, y int64)",
+        table(["batch", "seq", "workers", "batches", ("seconds", ".2f"), ("tokens/s", ",")],
+              [(r["batch_size"], r["seq_len"], r["num_workers"], r["batches"], r["seconds"], r["tokens_per_s"])
+               for r in results["loader"]])]), out=args.out, indent=2)
     return results
 
 

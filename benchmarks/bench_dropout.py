@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-OUT = HERE / "out" / "dropout"
+from bench_common import OUT_ROOT, child_env, parser, report, table
+
+OUT = OUT_ROOT / "dropout"
 LAYOUTS = {"one": (1, None), "dp2": (2, dict(dp_shard=2)), "tp2_sp": (2, dict(tp=2, sequence_parallel=True)),
            "tp2_nosp": (2, dict(tp=2, sequence_parallel=False))}
 
@@ -60,8 +60,7 @@ def worker(layout: str, seed: int, steps: int, out: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=150)
+    p = parser(__doc__, full_doc=True, steps=150)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--worker", nargs=2, metavar=("LAYOUT", "SEED"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -69,18 +68,17 @@ def main() -> None:
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), args.steps, OUT)
         return
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     results: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     for seed in args.seeds:
         for layout in LAYOUTS:
             subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--worker", layout, str(seed)],
-                           check=True, env=env)
+                           check=True, env=child_env())
             results[layout].append(json.loads((OUT / f"{layout}.seed{seed}.json").read_text())["val_loss"])
-    print(f"held-out loss after {args.steps} steps, dropout 0.1, seeds {args.seeds}")
-    for layout, vals in results.items():
-        spread = f"{statistics.stdev(vals):.4f}" if len(vals) > 1 else "-"
-        print(f"  {layout:9s} " + "  ".join(f"{v:.4f}" for v in vals) + f"   mean {statistics.mean(vals):.4f}  sd {spread}")
-    (OUT / "summary.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "val_loss": results}))
+    text = f"held-out loss after {args.steps} steps, dropout 0.1, seeds {args.seeds}\n" + table(
+        ["layout", *((f"seed {s}", ".4f") for s in args.seeds), ("mean", ".4f"), ("sd", ".4f")],
+        [(layout, *vals, statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else None)
+         for layout, vals in results.items()], indent="  ")
+    report("dropout", {"steps": args.steps, "seeds": args.seeds, "val_loss": results}, text, out=OUT / "summary.json")
 
 
 if __name__ == "__main__":

@@ -20,16 +20,14 @@ the end for the last evaluation.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from bench_common import REPO, header, load1, parser, report, table
 
-REPO = Path(__file__).resolve().parents[1]
 EVALS = REPO.parent / "shared" / "evals"
 TASKS = ["heldout", "lambada_openai", "piqa", "arc_easy", "arc_challenge", "winogrande", "copa", "openbook_qa"]
 
@@ -44,7 +42,7 @@ def _suite(limit: int):
                      heldout_windows=HELDOUT_WINDOWS, heldout_seq_len=256)
 
 
-def part_tasks(limit: int, repeats: int) -> None:
+def part_tasks(limit: int, repeats: int) -> list[dict]:
     from lightning_disttrain import GPTModule
     from lightning_disttrain.data import get_tokenizer
 
@@ -58,14 +56,18 @@ def part_tasks(limit: int, repeats: int) -> None:
     print(f"read + tokenize once: {time.perf_counter() - start:.2f}s")
     rounds = [suite.run_module(module, None, tokenizer=tokenizer) for _ in range(repeats)]
     requests = {name: sum(len(r) for r in reqs) for name, reqs in suite._requests.items()}
-    print(f"{'task':15s} {'items':>5s} {'requests':>8s} {'s min':>7s} {'median':>7s} {'max':>7s} {'ms/request':>10s}")
+    rows = []
     for name in [*suite.names, "total"]:
         times = [r.seconds[name] for r in rounds]
         n_req = requests.get(name, rounds[0].items.get(name)) if name != "total" else sum(
             [*requests.values(), rounds[0].items.get("heldout", 0)])
         items = rounds[0].items.get(name, sum(rounds[0].items.values()) if name == "total" else 0)
-        print(f"{name:15s} {items:5d} {n_req:8d} {min(times):7.2f} {statistics.median(times):7.2f} {max(times):7.2f} "
-              f"{1000 * min(times) / max(n_req, 1):10.1f}")
+        rows.append({"task": name, "items": items, "requests": n_req, "seconds": times})
+    print(table(["task", "items", "requests", ("s min", ".2f"), ("median", ".2f"), ("max", ".2f"),
+                 ("ms/request", ".1f")],
+                [(r["task"], r["items"], r["requests"], min(r["seconds"]), statistics.median(r["seconds"]),
+                  max(r["seconds"]), 1000 * min(r["seconds"]) / max(r["requests"], 1)) for r in rows]), flush=True)
+    return rows
 
 
 class StepTimer:
@@ -121,7 +123,7 @@ def _fit(mode: str, steps: int, every: int, limit: int, root: Path) -> dict:
             "end_wait": total - (marks[-1] - start)}
 
 
-def part_pause(steps: int, every: int, limit: int) -> None:
+def part_pause(steps: int, every: int, limit: int) -> list[dict]:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [_fit(mode, steps, every, limit, Path(tmp)) for mode in ("none", "inline", "subprocess")]
@@ -130,28 +132,29 @@ def part_pause(steps: int, every: int, limit: int) -> None:
         pauses = [t - r["plain"] for t in r["saved"]]
         print(f"{r['mode']:10s} step {r['plain']:.2f}s  checkpoint steps " + " ".join(f"{t:.2f}" for t in r["saved"])
               + f"  pause over a step: median {statistics.median(pauses):.2f}s (save-only runs: "
-              f"{base - rows[0]['plain']:.2f}s)  fit total {r['total']:.1f}s  waited at end {r['end_wait']:.1f}s")
+              f"{base - rows[0]['plain']:.2f}s)  fit total {r['total']:.1f}s  waited at end {r['end_wait']:.1f}s",
+              flush=True)
+    return rows
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, steps=8, repeats=2)
     p.add_argument("--part", choices=("tasks", "pause", "all"), default="all")
     p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--pause-limit", type=int, default=10)
-    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--heldout-windows", type=int, default=8)
     args = p.parse_args()
     global HELDOUT_WINDOWS
     HELDOUT_WINDOWS = args.heldout_windows
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 1 thread, load average {os.getloadavg()}")
+    header("bench_eval", "1 thread")
+    result = {"args": vars(args)}
     if args.part in ("tasks", "all"):
-        part_tasks(args.limit, args.repeats)
+        result["tasks"] = part_tasks(args.limit, args.repeats)
     if args.part in ("pause", "all"):
-        part_pause(args.steps, args.every, args.pause_limit)
-    print(f"load average at end {os.getloadavg()}")
+        result["pause"] = part_pause(args.steps, args.every, args.pause_limit)
+    report("eval", result, f"# 1-min load average at end: {load1():.2f}")
 
 
 if __name__ == "__main__":

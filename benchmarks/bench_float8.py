@@ -22,11 +22,7 @@ seeded random offsets, a fresh batch every step.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 
 import torch
@@ -37,6 +33,7 @@ from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.parallel.float8 import RECIPES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported, not run
+from bench_common import header, parser, report, table  # noqa: E402
 from float8_compare import compare_float8_to_baseline  # noqa: E402
 
 
@@ -58,56 +55,47 @@ def corpus_batches(n: int, batch_size: int, seq_len: int, seed: int = 0, max_doc
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, steps=40, warmup=(10, "linear warm-up steps (then constant lr)"))
     p.add_argument("--model", default="small")
     p.add_argument("--recipes", nargs="+", default=["tensorwise"], choices=RECIPES)
-    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (then constant lr)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--json", help="where the results go as JSON (default: benchmarks/out/float8.json)")
     args = p.parse_args(argv)
 
     batches, vocab, corpus_tokens = corpus_batches(args.steps, args.batch_size, args.seq_len)
     cfg = GPTConfig.from_name(args.model, vocab_size=vocab, block_size=max(args.seq_len, 64))
-    print(f"# bench_float8  {datetime.datetime.now().isoformat(timespec='seconds')}  "
-          f"python {platform.python_version()}  torch {torch.__version__}  torchao {_torchao_version()}")
+    header("bench_float8", f"torchao {_torchao_version()}", f"device {args.device}",
+           f"{torch.get_num_threads()} torch threads")
     print(f"# model {args.model} (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, vocab={vocab} bytes)  "
           f"batch {args.batch_size} x seq {args.seq_len}  steps {args.steps}  AdamW lr {args.lr} "
-          f"(warm-up {args.warmup}, clip 1.0)  "
-          f"device {args.device}  threads {torch.get_num_threads()}  corpus {corpus_tokens:,} tokens")
-    print(f"# command: python {' '.join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))}")
-    header = (f"{'recipe':<20} {'baseline':<14} {'float8 matmul':<13} {'float8 Linears':>14} {'base loss':>10} {'fp8 loss':>10} "
-              f"{'gap %':>8} {'max step gap %':>15} {'base s/step':>12} {'fp8 s/step':>11}")
-    print(header)
-    print("-" * len(header))
-    results = []
+          f"(warm-up {args.warmup}, clip 1.0)  corpus {corpus_tokens:,} tokens", flush=True)
+    results, rows, every = [], [], max(1, args.steps // 8)
     for recipe in args.recipes:
         r = compare_float8_to_baseline(lambda: GPT(cfg), batches, steps=args.steps, recipe=recipe, lr=args.lr,
                                        warmup_steps=args.warmup, device=args.device)
-        base = sum(r.baseline_losses[-r.tail:]) / r.tail
-        fp8 = sum(r.float8_losses[-r.tail:]) / r.tail
-        kernel = "emulated" if r.notes["emulated"] else "_scaled_mm"
-        print(f"{recipe:<20} {r.baseline:<14} {kernel:<13} {len(r.converted):>14} {base:>10.4f} {fp8:>10.4f} {r.gap_pct:>+8.3f} "
-              f"{r.max_step_gap_pct:>15.3f} {r.baseline_s_per_step:>12.3f} {r.float8_s_per_step:>11.3f}")
-        every = max(1, args.steps // 8)
-        print(f"#   losses every {every} steps: baseline "
-              + " ".join(f"{v:.3f}" for v in r.baseline_losses[::every]) + " | float8 "
-              + " ".join(f"{v:.3f}" for v in r.float8_losses[::every]))
+        rows.append((recipe, r.baseline, "emulated" if r.notes["emulated"] else "_scaled_mm", len(r.converted),
+                     sum(r.baseline_losses[-r.tail:]) / r.tail, sum(r.float8_losses[-r.tail:]) / r.tail, r.gap_pct,
+                     r.max_step_gap_pct, r.baseline_s_per_step, r.float8_s_per_step))
         results.append({"recipe": recipe, "baseline": r.baseline, "emulated": r.notes["emulated"],
                          "converted": r.converted, "baseline_losses": r.baseline_losses,
                          "float8_losses": r.float8_losses, "gap_pct": r.gap_pct,
                          "max_step_gap_pct": r.max_step_gap_pct, "baseline_s_per_step": r.baseline_s_per_step,
                          "float8_s_per_step": r.float8_s_per_step})
-    print(f"# loss: mean of the last {min(5, args.steps)} steps; gap = (float8 - baseline) / baseline. "
-          f"First-step losses: baseline {results[0]['baseline_losses'][0]:.4f}, "
-          f"float8 {results[0]['float8_losses'][0]:.4f}")
+    text = [table(["recipe", "baseline", "float8 matmul", "float8 Linears", ("base loss", ".4f"), ("fp8 loss", ".4f"),
+                   ("gap %", "+.3f"), ("max step gap %", ".3f"), ("base s/step", ".3f"), ("fp8 s/step", ".3f")],
+                  rows, rule=True)]
+    for res in results:
+        text.append(f"#   {res['recipe']}: losses every {every} steps: baseline "
+                    + " ".join(f"{v:.3f}" for v in res["baseline_losses"][::every]) + " | float8 "
+                    + " ".join(f"{v:.3f}" for v in res["float8_losses"][::every]))
+    text.append(f"# loss: mean of the last {min(5, args.steps)} steps; gap = (float8 - baseline) / baseline. "
+                f"First-step losses: baseline {results[0]['baseline_losses'][0]:.4f}, "
+                f"float8 {results[0]['float8_losses'][0]:.4f}")
     out = {"args": vars(args), "results": results}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    report("float8", out, "\n".join(text), out=args.json, indent=1)
     return out
 
 

@@ -47,34 +47,38 @@ does not launch again. Results: printed, and JSON under benchmarks/out/.
 from __future__ import annotations
 
 import argparse
-import gc
-import itertools
 import json
 import os
-import platform
-import statistics
-import sys
-import time
-from datetime import datetime, timezone
+from functools import partial
 
-from bench_common import HERE, MIB, dataset, load1, local_bytes, phase_probe, trainer
+from bench_common import (
+    MIB,
+    OUT_ROOT,
+    StepClock,
+    dataset,
+    header,
+    local_bytes,
+    memcount_env,
+    omp_threads,
+    parser,
+    part,
+    phase_probe,
+    rotated_rounds,
+    rounds_report,
+    step_timer,
+    trainer,
+)
 from bench_common import RANK as _RANK
 from bench_common import WORLD as _WORLD
 from bench_common import launch as _launch
 from bench_common import level_at as _at
-from bench_common import spread as _spread
 from bench_common import step_peak as _peak
 
-OUT = HERE / "out"
+OUT = OUT_ROOT
+OURS = "ours: GPTModule + FSDP2Strategy"
 HAND = "hand-written FSDP2 loop"
-
-# ---------------------------------------------------------------------------------------------
-# launcher (parent process)
-
-
-def launch(nprocs: int, tag: str, worker_args: list[str], extra_env: dict[str, str] | None = None,
-           timeout: float = 1200) -> None:
-    _launch(__file__, OUT, nprocs, tag, worker_args, extra_env, timeout)
+MPS = "GPTModule + Lightning ModelParallelStrategy"
+launch = partial(_launch, __file__, OUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,26 +290,14 @@ def throughput_worker(args) -> None:
             super().configure_model()
             shard_like_ours(self.model, self.device_mesh["data_parallel"], fully_shard)
 
-    class Timer(L.Callback):
-        def __init__(self):
-            self.marks = []
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx == args.warmup:
-                self.marks.append(time.perf_counter())
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if batch_idx >= args.warmup:
-                self.marks.append(time.perf_counter())
-
     def lightning_run(strategy, module_cls, tag) -> list[float]:
         L.seed_everything(0)
-        timer = Timer()
+        timer = step_timer(args.warmup, losses=False)
         logger = CSVLogger(OUT / "throughput_logs", name=tag)
         trainer(strategy, total, [timer], logger=logger).fit(
             module_cls(args.preset, vocab_size=args.vocab, model_overrides={"block_size": args.seq}),
             DataLoader(ds, batch_size=args.batch, shuffle=False))
-        return [b - a for a, b in itertools.pairwise(timer.marks)]
+        return timer.step_times()
 
     def hand_loop() -> list[float]:
         torch.manual_seed(0)
@@ -320,10 +312,8 @@ def throughput_worker(args) -> None:
         loader = DataLoader(ds, batch_size=args.batch,
                             sampler=DistributedSampler(ds, num_replicas=world, rank=dist.get_rank(), shuffle=False))
         vocab = ref.config.vocab_size
-        marks = []
-        for i, (x, y) in enumerate(loader):
-            if i == args.warmup:
-                marks.append(time.perf_counter())
+        clock = StepClock(args.warmup)
+        for x, y in clock.steps(loader):
             logits = model(x)[..., :vocab].float()  # the loss GPTModule computes (padding columns cut)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()
@@ -331,83 +321,47 @@ def throughput_worker(args) -> None:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            if i >= args.warmup:
-                marks.append(time.perf_counter())
-        return [b - a for a, b in itertools.pairwise(marks)]
+        return clock.step_times()
 
     variants = {
-        "ours: GPTModule + FSDP2Strategy": lambda: lightning_run(FSDP2Strategy(), GPTModule, "ours"),
+        OURS: lambda: lightning_run(FSDP2Strategy(), GPTModule, "ours"),
         HAND: hand_loop,
-        "GPTModule + Lightning ModelParallelStrategy": lambda: lightning_run(
-            ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), GPTModuleForModelParallel, "mps"),
+        MPS: lambda: lightning_run(ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                                   GPTModuleForModelParallel, "mps"),
     }
-    names = list(variants)
-    steps = {name: [] for name in names}  # per repeat: the timed steps' durations
-    rounds = []
-    for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        rounds.append({"order": order, "load1_before": load1()})
-        for name in order:
-            gc.collect()
-            dist.barrier()
-            steps[name].append(variants[name]())
-        if _RANK == 0:
-            print(f"round {r} done, load {load1():.2f}", flush=True)
-    if _RANK == 0:
-        (OUT / "throughput.json").write_text(json.dumps(
-            {"steps": steps, "rounds": rounds, "tokens_per_step": args.batch * args.seq * world, "args": vars(args)}))
+    rotated_rounds(variants, args.repeats, OUT / "throughput.json",
+                   {"tokens_per_step": args.batch * args.seq * world, "args": vars(args)}, losses=False)
 
 
 def report_throughput() -> str:
     data = json.loads((OUT / "throughput.json").read_text())
     a = data["args"]
-    per_rep = {k: [sum(v) / len(v) for v in reps] for k, reps in data["steps"].items()}  # mean s/step per repeat
-    hand = per_rep[HAND]
-    lines = [(f"Throughput on 2 ranks (preset {a['preset']}, vocab {a['vocab']}, seq {a['seq']}, batch {a['batch']}/rank,"
-              f" {a['steps']} timed steps after {a['warmup']} warm-up, {a['repeats']} interleaved repeats, order rotated"
-              f" each round; rank 0)"),
-             "s/step = mean over one repeat's timed steps; min / median / max over the repeats",
-             f"{'variant':44} {'s/step min':>10} {'median':>7} {'max':>7} {'tok/s best':>10} {'median':>7}"]
-    for name, ts in per_rep.items():
-        lines.append(f"{name:44} {min(ts):10.3f} {statistics.median(ts):7.3f} {max(ts):7.3f}"
-                     f" {data['tokens_per_step'] / min(ts):10.0f} {data['tokens_per_step'] / statistics.median(ts):7.0f}")
-    lines += ["", "vs hand = hand-written loop's s/step / the variant's (>= 1: as fast or faster)",
-              f"{'variant':44} {'best-of':>7} {'median':>7}   per round (same round's hand / variant): min median max"]
-    for name, ts in per_rep.items():
-        if name == HAND:
-            continue
-        per_round = [h / t for h, t in zip(hand, ts)]
-        lines.append(f"{name:44} {min(hand) / min(ts):7.3f} {statistics.median(hand) / statistics.median(ts):7.3f}"
-                     f"   {_spread(per_round)}")
-    lines += ["", "per repeat s/step (repeat 0 ... n-1):"]
-    for name, ts in per_rep.items():
-        lines.append(f"  {name:44} " + " ".join(f"{t:.3f}" for t in ts))
-    lines.append("  1-min load average before each round: " + " ".join(f"{r['load1_before']:.2f}" for r in data["rounds"]))
-    return "\n".join(lines)
+    return rounds_report(
+        data, (f"Throughput on 2 ranks (preset {a['preset']}, vocab {a['vocab']}, seq {a['seq']}, batch "
+               f"{a['batch']}/rank, {a['steps']} timed steps after {a['warmup']} warm-up, {a['repeats']} interleaved "
+               f"repeats, order rotated each round; rank 0)"),
+        ratios=[(HAND, OURS), (HAND, MPS)], short={OURS: "ours", HAND: "hand", MPS: "mps"})
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, steps=(15, "throughput: timed steps per repeat"),
+               warmup=(3, "throughput: untimed steps before them"), repeats=(7, "throughput: interleaved rounds"),
+               worker=["memory", "throughput"])
     p.add_argument("--part", choices=["all", "memory", "throughput"], default="all")
     p.add_argument("--preset", default="small")
     p.add_argument("--vocab", type=int, default=257, help="257: the byte tokenizer")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="samples per rank per step")
-    p.add_argument("--steps", type=int, default=15, help="throughput: timed steps per repeat")
-    p.add_argument("--warmup", type=int, default=3, help="throughput: untimed steps before them")
-    p.add_argument("--repeats", type=int, default=7, help="throughput: interleaved rounds")
     p.add_argument("--sizes", default="1,2,4", help="memory: world sizes")
     p.add_argument("--stages", default="zero3,zero2", help="memory: ZeRO stages")
     p.add_argument("--meters", default=None, help="memory: alloc,process on CPU (default); cuda on GPU")
     p.add_argument("--mem-steps", type=int, default=3, help="memory: steps; the last one is reported")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="memory: cuda = the GPU path (untested)")
-    p.add_argument("--worker", choices=["memory", "throughput"], help=argparse.SUPPRESS)
     p.add_argument("--stage", choices=["zero3", "zero2"], help=argparse.SUPPRESS)
     p.add_argument("--meter", choices=["alloc", "process", "cuda"], help=argparse.SUPPRESS)
-    p.add_argument("--nprocs", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mem_steps < 2:
         p.error("--mem-steps must be >= 2: the last step is reported and compared with the one before")
@@ -418,42 +372,29 @@ def main() -> None:
         return throughput_worker(args)
 
     common = ["--preset", args.preset, "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch)]
-    import torch
-
-    print(f"# bench_fsdp {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
-          f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"{'nccl' if args.device == 'cuda' else 'gloo'}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
-    print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"# 1-min load average at start: {load1():.2f}\n", flush=True)
+    header("bench_fsdp", "nccl" if args.device == "cuda" else "gloo", omp_threads())
     if args.part in ("all", "memory"):
         sizes = [int(s) for s in args.sizes.split(",")]
         stages = args.stages.split(",")
         meters = (args.meters or ("cuda" if args.device == "cuda" else "process,alloc")).split(",")
-        t0 = time.perf_counter()
-        if "process" in meters:
-            from memory_meter import build_memcount
-
-            memcount = build_memcount(OUT)
-            if memcount is None:
-                raise SystemExit("--meters process needs a C compiler (cc) to build benchmarks/memcount.c; "
-                                 "use --meters alloc without one")
-        for n in sizes:
-            for stage in stages:
-                for meter in meters:
-                    env = {}
-                    if meter == "process":  # malloc counted in every thread; glibc's caching off for RSS
-                        env = {"LD_PRELOAD": memcount, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-                    launch(n, f"memory_{meter}_{n}_{stage}",
-                           ["--worker", "memory", *common, "--mem-steps", str(args.mem_steps), "--device", args.device,
-                            "--stage", stage, "--meter", meter], extra_env=env)
-        print(report_memory(sizes, stages, meters))
-        print(f"# memory part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}\n", flush=True)
+        with part("memory"):
+            # process: malloc counted in every thread; glibc's caching off for RSS
+            env = {}
+            if "process" in meters:
+                env = memcount_env(OUT, "--meters process", "; use --meters alloc without one")
+            for n in sizes:
+                for stage in stages:
+                    for meter in meters:
+                        launch(n, f"memory_{meter}_{n}_{stage}",
+                               ["--worker", "memory", *common, "--mem-steps", str(args.mem_steps), "--device",
+                                args.device, "--stage", stage, "--meter", meter],
+                               extra_env=env if meter == "process" else {})
+            print(report_memory(sizes, stages, meters))
     if args.part in ("all", "throughput"):
-        t0 = time.perf_counter()
-        launch(2, "throughput", ["--worker", "throughput", *common, "--steps", str(args.steps), "--warmup",
-                                 str(args.warmup), "--repeats", str(args.repeats)])
-        print(report_throughput())
-        print(f"# throughput part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}")
+        with part("throughput"):
+            launch(2, "throughput", ["--worker", "throughput", *common, "--steps", str(args.steps), "--warmup",
+                                     str(args.warmup), "--repeats", str(args.repeats)])
+            print(report_throughput())
 
 
 if __name__ == "__main__":

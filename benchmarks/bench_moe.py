@@ -20,19 +20,13 @@ wall time of the profiled steps.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+from bench_common import OUT_ROOT, WORLD, launch, parser, random_tokens, report, trainer
 
-import bench_common  # noqa: E402
-
-OUT = HERE / "out" / "moe"
+OUT = OUT_ROOT / "moe"
 SEQ, BATCH = 128, 16
 
 
@@ -118,8 +112,7 @@ def a2a_worker(ep: int) -> None:
     from lightning_disttrain.module import GPTModule
     from lightning_disttrain.strategies import NDParallelStrategy
 
-    args = argparse.Namespace(vocab=256, seq=SEQ)
-    ds = bench_common.dataset(args, 4 * 12 * bench_common.WORLD)
+    ds = random_tokens(4 * 12 * WORLD, SEQ, 256)
     first, last = 4, 10
     marks, prof_box = {}, {}
 
@@ -142,38 +135,34 @@ def a2a_worker(ep: int) -> None:
 
     L.seed_everything(0)
     module = Module("tiny-moe", vocab_size=256, model_overrides={"moe_num_experts": 8}, lr=3e-3, warmup_steps=0)
-    trainer = L.Trainer(strategy=NDParallelStrategy(ep=ep), devices=bench_common.WORLD, accelerator="cpu",
-                        max_steps=last, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Profile()])
-    trainer.fit(module)
+    # no clipping: no functional collective runs but the all-to-alls
+    trainer(NDParallelStrategy(ep=ep), last, [Profile()], gradient_clip_val=None).fit(module)
     events = prof_box["p"].key_averages()
     a2a = sum(e.self_cpu_time_total for e in events if "all_to_all" in e.key) / 1e6
     wait = sum(e.self_cpu_time_total for e in events if "wait_tensor" in e.key) / 1e6
     gloo = {e.key: round(e.self_cpu_time_total / 1e6, 4) for e in events if "gloo" in e.key.lower()}
     wall = marks["end"] - marks["start"]
-    result = {"ep": ep, "world": bench_common.WORLD, "steps": last - first, "wall_s": wall, "a2a_launch_s": a2a,
+    result = {"ep": ep, "world": WORLD, "steps": last - first, "wall_s": wall, "a2a_launch_s": a2a,
               "a2a_wait_s": wait, "share": (a2a + wait) / wall, "gloo_events": gloo}
     rank = torch.distributed.get_rank()
-    (OUT / f"moe_a2a_w{bench_common.WORLD}_ep{ep}_rank{rank}.json").write_text(json.dumps(result))
+    (OUT / f"moe_a2a_w{WORLD}_ep{ep}_rank{rank}.json").write_text(json.dumps(result))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = parser(__doc__, steps=(300, "quality: training steps"))
     p.add_argument("what", choices=["quality", "a2a", "a2a-worker"])
-    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--nprocs", type=int, default=1)
     args = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     if args.what == "quality":
-        report = quality(args.steps)
-        (OUT / "moe_quality.json").write_text(json.dumps(report, indent=1))
-        print(json.dumps(report, indent=1))
+        result = quality(args.steps)
+        report("moe_quality", result, json.dumps(result, indent=1), out=OUT / "moe_quality.json", indent=1)
     elif args.what == "a2a-worker":
         a2a_worker(args.ep)
     else:
         for world, ep in ((2, 2), (4, 2), (4, 4)):
-            bench_common.launch(__file__, OUT, world, f"moe_w{world}_ep{ep}", ["a2a-worker", "--ep", str(ep)])
+            launch(__file__, OUT, world, f"moe_w{world}_ep{ep}", ["a2a-worker", "--ep", str(ep)])
             ranks = [json.loads((OUT / f"moe_a2a_w{world}_ep{ep}_rank{r}.json").read_text()) for r in range(world)]
             shares = [r["share"] for r in ranks]
             print(f"world {world} ep={ep}: all-to-all share of step time per rank "

@@ -37,16 +37,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
-import time
-from datetime import datetime, timezone
 
-from bench_common import HERE, MIB, dataset, launch, load1, phase_probe, step_peak, trainer
+from bench_common import (
+    MIB,
+    OUT_ROOT,
+    dataset,
+    header,
+    launch,
+    memcount_env,
+    omp_threads,
+    parser,
+    part,
+    phase_probe,
+    step_peak,
+    trainer,
+)
 from bench_common import RANK as _RANK
 
-OUT = HERE / "out" / "plan"
+OUT = OUT_ROOT / "plan"
 SHAPES = {"tiny": (256, 8), "small": (512, 4), "tiny-moe": (256, 8)}
 """Preset -> (sequence length, micro batch per rank)."""
 LAYOUTS = ("fsdp2", "tp", "pp", "ep")
@@ -163,7 +171,7 @@ def report(cases, vocab: int, nprocs: int) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--presets", default="tiny,small")
     p.add_argument("--acs", default="none,selective,full")
     p.add_argument("--layouts", nargs="+", default=["fsdp2"], choices=LAYOUTS,
@@ -182,24 +190,15 @@ def main() -> None:
         return worker(args)
     presets, acs = args.presets.split(","), args.acs.split(",")
     cases = [(lay, p, a) for lay in args.layouts for p in presets_for(lay, presets) for a in acs]
-    print(f"# bench_plan {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}, gloo, 2 ranks, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
-    print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"# 1-min load average at start: {load1():.2f}\n", flush=True)
-    t0 = time.perf_counter()
-    if not args.report_only:
-        from memory_meter import build_memcount
-
-        memcount = build_memcount(OUT)
-        if memcount is None:
-            raise SystemExit("needs a C compiler (cc) to build benchmarks/memcount.c")
-        env = {"LD_PRELOAD": memcount, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-        for layout, preset, ac in cases:
-            launch(__file__, OUT, 2, tag(layout, preset, ac),
-                   ["--worker", "--layout", layout, "--preset", preset, "--ac", ac, "--vocab", str(args.vocab),
-                    "--mem-steps", str(args.mem_steps)], extra_env=env)
-    print(report(cases, args.vocab, 2))
-    print(f"# {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}")
+    header("bench_plan", "gloo", "2 ranks", omp_threads())
+    with part("plan"):
+        if not args.report_only:
+            env = memcount_env(OUT, "bench_plan")
+            for layout, preset, ac in cases:
+                launch(__file__, OUT, 2, tag(layout, preset, ac),
+                       ["--worker", "--layout", layout, "--preset", preset, "--ac", ac, "--vocab", str(args.vocab),
+                        "--mem-steps", str(args.mem_steps)], extra_env=env)
+        print(report(cases, args.vocab, 2))
 
 
 if __name__ == "__main__":

@@ -29,25 +29,21 @@ and throughput through ``L.Trainer`` against a hand-written ``torch.distributed.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import itertools
 import json
-import os
-import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
+from functools import partial
 
-from bench_common import REPO, launch, load1, spread
+from bench_common import OUT_ROOT, StepClock, header, memcount_env, parser, part, rounds_report
+from bench_common import launch as _launch
 
-OUT = REPO / "benchmarks" / "out" / "pp"
+OUT = OUT_ROOT / "pp"
 OURS = "ours: L.Trainer + NDParallelStrategy(pp=2)"
 HAND = "hand-written PipelineStage + Schedule1F1B loop"
 HAND_FSDP = "the hand loop + FSDP2 on each rank's 1-rank mesh"
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
+launch = partial(_launch, __file__, OUT)
 
 
 def model_kwargs(args) -> dict:
@@ -277,10 +273,8 @@ def throughput_worker(args) -> None:
         # the batches Lightning feeds ours: its DistributedSampler over the 1 data-parallel rank
         loader = DataLoader(ds, batch_size=args.batch,
                             sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))
-        marks, losses = [], []
-        for i, (x, y) in enumerate(loader):
-            if i == args.warmup:
-                marks.append(time.perf_counter())
+        clock, losses = StepClock(args.warmup), []
+        for x, y in clock.steps(loader):
             out = []
             if rank == 0:
                 schedule.step(x)
@@ -297,9 +291,7 @@ def throughput_worker(args) -> None:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            if i >= args.warmup:
-                marks.append(time.perf_counter())
-        return [b - a for a, b in itertools.pairwise(marks)], losses
+        return clock.step_times(), losses
 
     variants = {OURS: ours, HAND: hand, HAND_FSDP: lambda: hand(fsdp=True)}
     rotated_rounds(variants, args.repeats, OUT / "throughput.json",
@@ -309,36 +301,16 @@ def throughput_worker(args) -> None:
 def report_throughput() -> str:
     data = json.loads((OUT / "throughput.json").read_text())
     a = data["args"]
-    per_rep = {k: [sum(v) / len(v) for v in reps] for k, reps in data["steps"].items()}
-    ours = per_rep[OURS]
-    lines = [(f"Throughput on 2 ranks, pp=2 1F1B, {a['microbatches']} micro-batches ({a['layers']} layers, n_embd "
-              f"{a['n_embd']}, vocab {a['vocab']}, seq {a['seq']}, batch {a['batch']}; {a['steps']} timed steps after "
-              f"{a['warmup']} warm-up, {a['repeats']} interleaved repeats, order rotated each round; rank 0)"),
-             "s/step = mean over one repeat's timed steps; min / median / max over the repeats",
-             f"{'variant':48} {'s/step min':>10} {'median':>7} {'max':>7} {'tok/s best':>10}"]
-    for name, ts in per_rep.items():
-        lines.append(f"{name:48} {min(ts):10.3f} {statistics.median(ts):7.3f} {max(ts):7.3f}"
-                     f" {data['tokens_per_step'] / min(ts):10.0f}")
-    lines += ["", "ratio = the other variant's s/step / ours (>= 1: ours as fast or faster)"]
-    for name in (HAND, HAND_FSDP):
-        other = per_rep[name]
-        per_round = [h / t for h, t in zip(other, ours)]
-        lines.append(f"  vs {name}: best-of {min(other) / min(ours):.3f}, median "
-                     f"{statistics.median(other) / statistics.median(ours):.3f}; per round min median max: "
-                     f"{spread(per_round)}")
-    short = {OURS: "ours", HAND: "hand", HAND_FSDP: "hand+fsdp"}
-    lines += ["  order in each round: " + " | ".join("+".join(short[n] for n in r["order"]) for r in data["rounds"]),
-              "  1-min load average before each round: " + " ".join(f"{r['load1_before']:.2f}" for r in data["rounds"])]
-    fl = data["losses"]
-    gap = max(abs(x - y) for name in (HAND, HAND_FSDP) for o, h in zip(fl[OURS], fl[name]) for x, y in zip(o, h))
-    lines.append(f"  losses, repeat 0: ours {' '.join(f'{x:.4f}' for x in fl[OURS][0])}")
-    lines.append(f"                    hand {' '.join(f'{x:.4f}' for x in fl[HAND][0])}")
-    lines.append(f"  (ours vs either hand loop differ by at most {gap:.2e} at any step of any repeat)")
-    return "\n".join(lines)
+    return rounds_report(
+        data, (f"Throughput on 2 ranks, pp=2 1F1B, {a['microbatches']} micro-batches ({a['layers']} layers, n_embd "
+               f"{a['n_embd']}, vocab {a['vocab']}, seq {a['seq']}, batch {a['batch']}; {a['steps']} timed steps after "
+               f"{a['warmup']} warm-up, {a['repeats']} interleaved repeats, order rotated each round; rank 0)"),
+        ratios=[(HAND, OURS), (HAND_FSDP, OURS)], short={OURS: "ours", HAND: "hand", HAND_FSDP: "hand+fsdp"})
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, steps=(10, "throughput: timed steps per repeat"), warmup=(2, "untimed steps first"),
+               repeats=(5, "throughput: interleaved rounds"), worker=["bubble", "memory", "throughput"])
     p.add_argument("--part", choices=["all", "bubble", "memory", "throughput"], default="all")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--n-embd", type=int, default=256)
@@ -352,11 +324,6 @@ def main() -> None:
     p.add_argument("--timed", type=int, default=5, help="bubble/memory: timed schedule steps per case")
     p.add_argument("--batch", type=int, default=8, help="throughput: samples per step")
     p.add_argument("--microbatches", type=int, default=4, help="throughput: micro-batches per step")
-    p.add_argument("--steps", type=int, default=10, help="throughput: timed steps per repeat")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--repeats", type=int, default=5, help="throughput: interleaved rounds")
-    p.add_argument("--worker", choices=["bubble", "memory", "throughput"], help=argparse.SUPPRESS)
-    p.add_argument("--nprocs", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.ms = [int(m) for m in str(args.ms).split(",")]
     OUT.mkdir(parents=True, exist_ok=True)
@@ -367,41 +334,26 @@ def main() -> None:
 
     common = ["--layers", str(args.layers), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
               "--vocab", str(args.vocab), "--seq", str(args.seq), "--warmup", str(args.warmup)]
-    import torch
-
-    print(f"# bench_pp {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
-          f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, gloo, one thread per rank")
-    print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"# 1-min load average at start: {load1():.2f}\n", flush=True)
-    worker = str(Path(__file__).resolve())
+    header("bench_pp", "gloo", "one thread per rank")
     sched_args = [*common, "--mb-size", str(args.mb_size), "--timed", str(args.timed)]
     if args.part in ("all", "bubble"):
-        t0 = time.perf_counter()
-        worlds = [int(w) for w in args.worlds.split(",")]
-        for world in worlds:
-            launch(worker, OUT, world, f"bubble_p{world}",
-                   ["--worker", "bubble", *sched_args, "--ms", ",".join(map(str, args.ms))])
-        print(report_bubble(worlds))
-        print(f"# bubble part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}\n", flush=True)
+        with part("bubble"):
+            worlds = [int(w) for w in args.worlds.split(",")]
+            for world in worlds:
+                launch(world, f"bubble_p{world}",
+                       ["--worker", "bubble", *sched_args, "--ms", ",".join(map(str, args.ms))])
+            print(report_bubble(worlds))
     if args.part in ("all", "memory"):
-        from memory_meter import build_memcount
-
-        t0 = time.perf_counter()
-        memcount = build_memcount(OUT)
-        if memcount is None:
-            raise SystemExit("the memory part needs a C compiler (cc) to build benchmarks/memcount.c")
-        env = {"LD_PRELOAD": memcount, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-        launch(worker, OUT, 2, "memory_p2", ["--worker", "memory", *sched_args, "--mem-m", str(args.mem_m)],
-               extra_env=env)
-        print(report_memory(2))
-        print(f"# memory part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}\n", flush=True)
+        with part("memory"):
+            launch(2, "memory_p2", ["--worker", "memory", *sched_args, "--mem-m", str(args.mem_m)],
+                   extra_env=memcount_env(OUT))
+            print(report_memory(2))
     if args.part in ("all", "throughput"):
-        t0 = time.perf_counter()
-        launch(worker, OUT, 2, "throughput",
-               ["--worker", "throughput", *common, "--batch", str(args.batch), "--microbatches",
-                str(args.microbatches), "--steps", str(args.steps), "--repeats", str(args.repeats)], timeout=1500)
-        print(report_throughput())
-        print(f"# throughput part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}")
+        with part("throughput"):
+            launch(2, "throughput", ["--worker", "throughput", *common, "--batch", str(args.batch), "--microbatches",
+                                     str(args.microbatches), "--steps", str(args.steps), "--repeats",
+                                     str(args.repeats)], timeout=1500)
+            print(report_throughput())
 
 
 if __name__ == "__main__":

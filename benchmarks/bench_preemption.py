@@ -24,7 +24,6 @@ reference's, bitwise (float.hex). Per trial:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -36,22 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench_common import REPO, child_env, parser, write_json
+
 WORKER = Path(__file__).with_name("preemption_worker.py")
-
-
-def _env() -> dict:
-    env = os.environ.copy()
-    env["PYTHONPATH"] = str(REPO)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "PL_GLOBAL_SEED"):
-        env.pop(key, None)
-    return env
 
 
 def _start(data: Path, ckpt: Path, out: Path, run: str, steps: int, *extra: str, probe: bool = False) -> subprocess.Popen:
     log = open(out / f"{run}.log", "w")
-    env = _env() | ({"BENCH_PROBE": "1"} if probe else {})
+    env = child_env(threads="1", **({"BENCH_PROBE": "1"} if probe else {}))
     return subprocess.Popen([sys.executable, str(WORKER), str(data), str(ckpt), str(out), run, str(steps), *extra],
                             env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -194,11 +185,9 @@ def summarize(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, steps=12, out=(None, "keep the runs here (default: a temporary directory)"))
     p.add_argument("--trials", type=int, default=20)
-    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--validate", action="store_true", help="validate (2 batches) after every third step, so "
                    "that signals also land in validation")
     p.add_argument("--summary-of", default=None, metavar="RESULTS_JSON",
@@ -244,8 +233,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     summarize(rows)
-    (root / "results.json").write_text(json.dumps({"rows": rows, "agreement_s": agreement, "aligned_s": aligned,
-                                                   "step_s": step_s}))
+    write_json(root / "results.json", {"rows": rows, "agreement_s": agreement, "aligned_s": aligned, "step_s": step_s})
     print(f"  rows: {root / 'results.json'}")
 
 

@@ -19,14 +19,11 @@ For each model shape and policy, one training step (forward, cross-entropy, back
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
+from bench_common import header, parser, report, table, timed_rounds
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_disttrain.models.gpt import GPT, GPTConfig
@@ -88,17 +85,19 @@ def measure(shape: str, batch: int, seq_len: int, steps: int) -> list[dict]:
         rows[name] = dict(shape=shape, policy=name, saved=saved,
                           backward_flops=counter.get_total_flops(), cpu=[], wall=[])
         del loss
+
+    def step(name: str):
+        _use(model, name)
+        model.zero_grad(set_to_none=True)
+        c0, w0 = time.process_time(), time.perf_counter()
+        _loss(model, idx).backward()
+        return time.process_time() - c0, time.perf_counter() - w0
+
     # Timing rounds visit every policy in turn, so load from other processes on a shared machine
     # spreads over all policies instead of landing on one; the first round is a warm-up.
-    for round_ in range(steps + 1):
-        for name in POLICIES:
-            _use(model, name)
-            model.zero_grad(set_to_none=True)
-            c0, w0 = time.process_time(), time.perf_counter()
-            _loss(model, idx).backward()
-            if round_:
-                rows[name]["cpu"].append(time.process_time() - c0)
-                rows[name]["wall"].append(time.perf_counter() - w0)
+    times, _ = timed_rounds({name: lambda name=name: step(name) for name in POLICIES}, steps, warmup=1, rotate=False)
+    for name, ts in times.items():
+        rows[name]["cpu"], rows[name]["wall"] = [c for c, _ in ts], [w for _, w in ts]
     base = rows["none"]
     for r in rows.values():
         # The least-disturbed run (noise only ever adds time), in CPU seconds of this process:
@@ -112,28 +111,23 @@ def measure(shape: str, batch: int, seq_len: int, steps: int) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, steps=(3, "timed steps per policy (after a warm-up)"))
     p.add_argument("--shapes", nargs="+", default=["small", "gpt2-124m"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per policy (after a warm-up)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads; 1 keeps timings stable on a machine shared with others")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    print(f"# bench_sac  {datetime.datetime.now().isoformat(timespec='seconds')}  "
-          f"torch {torch.__version__}  {platform.machine()} CPU, {torch.get_num_threads()} threads "
-          f"(os.cpu_count={os.cpu_count()})  batch {args.batch}, seq {args.seq_len}, fp32, "
-          f"best of {args.steps} interleaved steps")
-    print("| shape | policy | saved MiB | vs none | recomputed GFLOP | step CPU s | vs none "
-          "| step wall s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for shape in args.shapes:
-        for r in measure(shape, args.batch, args.seq_len, args.steps):
-            print(f"| {r['shape']} | {r['policy']} | {r['saved'] / 2**20:.1f} | "
-                  f"{r['saved_ratio']:.2f} | {r['recomputed'] / 1e9:.2f} | {r['step']:.3f} | "
-                  f"{r['time_ratio']:.2f} | {r['step_wall']:.3f} |", flush=True)
+    header("bench_sac", f"{torch.get_num_threads()} torch threads", f"batch {args.batch}, seq {args.seq_len}, fp32",
+           f"best of {args.steps} interleaved steps")
+    rows = [r for shape in args.shapes for r in measure(shape, args.batch, args.seq_len, args.steps)]
+    report("sac", {"args": vars(args), "rows": rows},
+           table(["shape", "policy", ("saved MiB", ".1f"), ("vs none", ".2f"), ("recomputed GFLOP", ".2f"),
+                  ("step CPU s", ".3f"), ("vs none", ".2f"), ("step wall s", ".3f")],
+                 [(r["shape"], r["policy"], r["saved"] / 2**20, r["saved_ratio"], r["recomputed"] / 1e9, r["step"],
+                   r["time_ratio"], r["step_wall"]) for r in rows], markdown=True))
 
 
 if __name__ == "__main__":

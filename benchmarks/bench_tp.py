@@ -51,35 +51,37 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
-import os
-import platform
 import statistics
-import sys
-import time
-from datetime import datetime, timezone
+from functools import partial
 
-from bench_common import HERE, MIB, dataset, load1, local_bytes, phase_probe, rotated_rounds, step_timer, trainer
+from bench_common import (
+    MIB,
+    OUT_ROOT,
+    StepClock,
+    dataset,
+    header,
+    local_bytes,
+    memcount_env,
+    omp_threads,
+    parser,
+    part,
+    phase_probe,
+    rotated_rounds,
+    rounds_report,
+    step_timer,
+    trainer,
+)
 from bench_common import RANK as _RANK
 from bench_common import WORLD as _WORLD
 from bench_common import launch as _launch
 from bench_common import level_at as _at
-from bench_common import spread as _spread
 from bench_common import step_peak as _peak
 
-OUT = HERE / "out" / "tp"
+OUT = OUT_ROOT / "tp"
 OURS = "ours: GPTModule + NDParallelStrategy(tp=2)"
 HAND = "hand-written parallelize_module + FSDP2 loop"
-
-
-# ---------------------------------------------------------------------------------------------
-# launcher (parent process)
-
-
-def launch(nprocs: int, tag: str, worker_args: list[str], extra_env: dict[str, str] | None = None,
-           timeout: float = 900) -> None:
-    _launch(__file__, OUT, nprocs, tag, worker_args, extra_env, timeout)
+launch = partial(_launch, __file__, OUT, timeout=900)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,10 +502,8 @@ def throughput_worker(args) -> None:
         # which for training shuffles (seed = the global seed) even when the loader did not.
         loader = DataLoader(ds, batch_size=args.tp_batch,
                             sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))
-        marks, losses = [], []
-        for i, (x, y) in enumerate(loader):
-            if i == args.warmup:
-                marks.append(time.perf_counter())
+        clock, losses = StepClock(args.warmup), []
+        for x, y in clock.steps(loader):
             with loss_parallel():
                 logits = model(x)  # vocabulary-sharded DTensor
                 loss = F.cross_entropy((logits.float() + pad).flatten(0, 1), y.flatten())
@@ -513,9 +513,7 @@ def throughput_worker(args) -> None:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            if i >= args.warmup:
-                marks.append(time.perf_counter())
-        return [b - a for a, b in itertools.pairwise(marks)], losses
+        return clock.step_times(), losses
 
     variants = {OURS: ours, HAND: hand}
     rotated_rounds(variants, args.repeats, OUT / "throughput.json",
@@ -525,41 +523,20 @@ def throughput_worker(args) -> None:
 def report_throughput() -> str:
     data = json.loads((OUT / "throughput.json").read_text())
     a = data["args"]
-    per_rep = {k: [sum(v) / len(v) for v in reps] for k, reps in data["steps"].items()}  # mean s/step per repeat
-    hand, ours = per_rep[HAND], per_rep[OURS]
-    lines = [(f"Throughput on 2 ranks, tp=2 dp=1 (preset {a['preset']}, n_head {a['n_head']}, vocab {a['vocab']}, seq "
-              f"{a['seq']}, batch {a['tp_batch']} (the same on both TP ranks), {a['steps']} timed steps after "
-              f"{a['warmup']} warm-up, {a['repeats']} interleaved repeats, order rotated each round; rank 0)"),
-             "s/step = mean over one repeat's timed steps; min / median / max over the repeats",
-             f"{'variant':46} {'s/step min':>10} {'median':>7} {'max':>7} {'tok/s best':>10} {'median':>7}"]
-    for name, ts in per_rep.items():
-        lines.append(f"{name:46} {min(ts):10.3f} {statistics.median(ts):7.3f} {max(ts):7.3f}"
-                     f" {data['tokens_per_step'] / min(ts):10.0f} {data['tokens_per_step'] / statistics.median(ts):7.0f}")
-    per_round = [h / t for h, t in zip(hand, ours)]
-    lines += ["", "vs hand = hand-written loop's s/step / ours (>= 1: as fast or faster)",
-              f"{'':46} {'best-of':>7} {'median':>7}   per round (same round's hand / ours): min median max",
-              (f"{OURS:46} {min(hand) / min(ours):7.3f} {statistics.median(hand) / statistics.median(ours):7.3f}"
-               f"   {_spread(per_round)}"), "", "per repeat s/step (repeat 0 ... n-1):"]
-    for name, ts in per_rep.items():
-        lines.append(f"  {name:46} " + " ".join(f"{t:.3f}" for t in ts))
-    lines.append("  order in each round: " + " | ".join(
-        "+".join("ours" if n == OURS else "hand" for n in r["order"]) for r in data["rounds"]))
-    lines.append("  1-min load average before each round: " + " ".join(f"{r['load1_before']:.2f}" for r in data["rounds"]))
-    fl = data["losses"]
-    gap = max(abs(a - b) for o, h in zip(fl[OURS], fl[HAND]) for a, b in zip(o, h))
-    same = all(x == fl[name][0] for name in fl for x in fl[name])
-    lines.append(f"  losses, every step: ours {' '.join(f'{x:.4f}' for x in fl[OURS][0])}")
-    lines.append(f"                      hand {' '.join(f'{x:.4f}' for x in fl[HAND][0])}")
-    lines.append(f"  (repeat 0; ours vs hand differ by at most {gap:.2e} at any step of any repeat; every repeat "
-                 f"{'gave the same losses as repeat 0' if same else 'did NOT give the same losses'})")
-    return "\n".join(lines)
+    return rounds_report(
+        data, (f"Throughput on 2 ranks, tp=2 dp=1 (preset {a['preset']}, n_head {a['n_head']}, vocab {a['vocab']}, seq "
+               f"{a['seq']}, batch {a['tp_batch']} (the same on both TP ranks), {a['steps']} timed steps after "
+               f"{a['warmup']} warm-up, {a['repeats']} interleaved repeats, order rotated each round; rank 0)"),
+        ratios=[(HAND, OURS)], short={OURS: "ours", HAND: "hand"})
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, steps=(15, "throughput: timed steps per repeat"),
+               warmup=(3, "throughput: untimed steps before them"), repeats=(7, "throughput: interleaved rounds"),
+               worker=["memory", "throughput"])
     p.add_argument("--part", choices=["all", "memory", "throughput"], default="all")
     p.add_argument("--preset", default="small")
     p.add_argument("--n-head", type=int, default=8, help="8 (head size 48): divisible by tp = 4")
@@ -567,16 +544,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="memory: samples per step (every TP rank)")
     p.add_argument("--tp-batch", type=int, default=8, help="throughput: samples per step (both TP ranks)")
-    p.add_argument("--steps", type=int, default=15, help="throughput: timed steps per repeat")
-    p.add_argument("--warmup", type=int, default=3, help="throughput: untimed steps before them")
-    p.add_argument("--repeats", type=int, default=7, help="throughput: interleaved rounds")
     p.add_argument("--tps", default="1,2,4", help="memory: TP degrees (= ranks)")
     p.add_argument("--mem-steps", type=int, default=3, help="memory: steps; the last one is reported")
     p.add_argument("--act-repeats", type=int, default=3, help="memory: repeats of each activation measurement")
-    p.add_argument("--worker", choices=["memory", "throughput"], help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--nprocs", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mem_steps < 2:
         p.error("--mem-steps must be >= 2: the last step is reported and compared with the one before")
@@ -587,35 +559,23 @@ def main() -> None:
         return throughput_worker(args)
 
     common = ["--preset", args.preset, "--n-head", str(args.n_head), "--vocab", str(args.vocab), "--seq", str(args.seq)]
-    import torch
-
-    print(f"# bench_tp {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
-          f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, gloo, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
-    print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"# 1-min load average at start: {load1():.2f}\n", flush=True)
+    header("bench_tp", "gloo", omp_threads())
     if args.part in ("all", "memory"):
-        from memory_meter import build_memcount
-
-        t0 = time.perf_counter()
-        memcount = build_memcount(OUT)
-        if memcount is None:
-            raise SystemExit("the memory part needs a C compiler (cc) to build benchmarks/memcount.c")
-        env = {"LD_PRELOAD": memcount, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-        runs = [(t, sp) for t in (int(x) for x in args.tps.split(",")) for sp in ((True,) if t == 1 else (True, False))]
-        for t, sp in runs:
-            launch(t, f"memory_{t}_{'sp' if sp else 'nosp'}",
-                   ["--worker", "memory", *common, "--batch", str(args.batch), "--mem-steps", str(args.mem_steps),
-                    "--act-repeats", str(args.act_repeats), "--tp", str(t), "--sp", str(int(sp))], extra_env=env)
-        print(report_memory(runs))
-        print(f"# memory part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}\n", flush=True)
+        with part("memory"):
+            env = memcount_env(OUT)
+            runs = [(t, sp) for t in (int(x) for x in args.tps.split(","))
+                    for sp in ((True,) if t == 1 else (True, False))]
+            for t, sp in runs:
+                launch(t, f"memory_{t}_{'sp' if sp else 'nosp'}",
+                       ["--worker", "memory", *common, "--batch", str(args.batch), "--mem-steps", str(args.mem_steps),
+                        "--act-repeats", str(args.act_repeats), "--tp", str(t), "--sp", str(int(sp))], extra_env=env)
+            print(report_memory(runs))
     if args.part in ("all", "throughput"):
-        t0 = time.perf_counter()
-        launch(2, "throughput", ["--worker", "throughput", *common, "--tp-batch", str(args.tp_batch), "--steps",
-                                 str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)],
-               timeout=1500)
-        print(report_throughput())
-        print(f"# throughput part: {time.perf_counter() - t0:.0f} s, 1-min load average at end: {load1():.2f}")
+        with part("throughput"):
+            launch(2, "throughput", ["--worker", "throughput", *common, "--tp-batch", str(args.tp_batch), "--steps",
+                                     str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats)],
+                   timeout=1500)
+            print(report_throughput())
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ Timing starts after ``--warmup`` steps and covers ``--steps`` optimizer steps.
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import time
@@ -18,16 +16,11 @@ import time
 import lightning as L
 import torch
 import torch.nn.functional as F
+from bench_common import dataset, header, parser, report, timed_rounds
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_disttrain import GPTModule
 from lightning_disttrain.optim import build_optimizer, build_scheduler
-
-
-def make_data(n_batches: int, batch: int, seq: int, vocab: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (n_batches * batch, seq + 1), generator=g)
-    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
 def plain_loop(args, ds: TensorDataset) -> float:
@@ -76,37 +69,36 @@ def lightning_loop(args, ds: TensorDataset) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, full_doc=True, steps=30, warmup=5, repeats=3, out=(None, "where the results go as JSON "
+                                                                            "(default: benchmarks/out/trainer.json)"))
     p.add_argument("--preset", default="small")
     p.add_argument("--vocab", type=int, default=257)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: stable timings on a shared 2-core machine)")
     p.add_argument("--log-dir", default="benchmarks/out/trainer")
-    p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    ds = make_data(args.warmup + args.steps, args.batch, args.seq, args.vocab)
-    plain, lit = [], []
-    for r in range(args.repeats):
-        plain.append(plain_loop(args, ds))
-        lit.append(lightning_loop(args, ds))
-        print(f"repeat {r}: plain {plain[-1]:,.0f} tok/s   L.Trainer {lit[-1]:,.0f} tok/s   ratio {lit[-1] / plain[-1]:.3f}")
+    header("bench_trainer", f"{args.threads} torch threads")
+    ds = dataset(args, (args.warmup + args.steps) * args.batch)
+
+    def show(r: int, tok_s: dict) -> None:
+        print(f"repeat {r}: plain {tok_s['plain']:,.0f} tok/s   L.Trainer {tok_s['lightning']:,.0f} tok/s   "
+              f"ratio {tok_s['lightning'] / tok_s['plain']:.3f}", flush=True)
+
+    tok_s, _ = timed_rounds({"plain": lambda: plain_loop(args, ds), "lightning": lambda: lightning_loop(args, ds)},
+                            args.repeats, rotate=False, after_round=show)
+    plain, lit = tok_s["plain"], tok_s["lightning"]
     result = {
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
         "config": vars(args) | {"out": None},
         "plain_tok_s_median": statistics.median(plain), "trainer_tok_s_median": statistics.median(lit),
         "ratio_of_medians": statistics.median(lit) / statistics.median(plain),
     }
-    print(f"median: plain {result['plain_tok_s_median']:,.0f} tok/s, L.Trainer {result['trainer_tok_s_median']:,.0f} "
-          f"tok/s, ratio {result['ratio_of_medians']:.3f} (target >= 0.95)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report("trainer", result, f"median: plain {result['plain_tok_s_median']:,.0f} tok/s, L.Trainer "
+           f"{result['trainer_tok_s_median']:,.0f} tok/s, ratio {result['ratio_of_medians']:.3f} (target >= 0.95)",
+           out=args.out, indent=2)
 
 
 if __name__ == "__main__":
