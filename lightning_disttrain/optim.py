@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from lightning_disttrain import _torch_compat as torch_compat
+
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 
@@ -33,12 +35,7 @@ class HybridOptimizer(Optimizer):
         self.optimizers = list(optimizers)
         # Deliberately not calling Optimizer.__init__: the parts own the groups and the state.
         self.defaults = {}
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        torch_compat.init_optimizer_hooks(self)  # the hook dicts Optimizer.__init__ would create
 
     @property
     def param_groups(self) -> list[dict]:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from lightning_disttrain import _torch_compat as torch_compat
+
 T = 1e12
 
 
@@ -150,12 +152,11 @@ def _forward_only(formula):
     def count(*args, **kwargs) -> int:
         # A graph task is running: this op is part of a backward pass (activation checkpointing's
         # recomputation included), whose FLOPs the x3 already stands for.
-        if torch._C._current_graph_task_id() != -1:
+        if torch_compat.current_graph_task_id() != -1:
             return 0
         return formula(*args, **kwargs)
 
-    count._get_raw = True  # FlopCounterMode: already shape-wrapped, pass it through as is
-    return count
+    return torch_compat.pass_flop_formula_through(count)  # already shape-wrapped: FlopCounterMode uses it as is
 
 
 def forward_flop_counter() -> FlopCounterMode:

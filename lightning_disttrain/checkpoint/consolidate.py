@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain.checkpoint.dcp_io import META_NAME, MODEL_KEY, load_meta
 from lightning_disttrain.checkpoint.safe_load import UntrustedCheckpointError, reader_for, unwrap_checkpoint_exception
 from lightning_disttrain.checkpoint.manifest import (
@@ -67,16 +68,14 @@ def _read_dcp(ckpt_dir: Path, keys: set[str] | None, trust_checkpoint: bool = Fa
     # model-only export never reads the optimizer's shards. The reader unpickles nothing but
     # plain data unless trusted (safe_load).
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
     # The metadata on its own first: inside DCP a refusal is logged, retried as rank-local
     # metadata and folded into another error's text.
     reader_for(ckpt_dir, trust_checkpoint).read_metadata()
     try:
-        _load_state_dict(state, storage_reader=reader_for(ckpt_dir, trust_checkpoint),
-                         planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+        torch_compat.load_state_dict_no_dist(state, reader_for(ckpt_dir, trust_checkpoint),
+                                             torch_compat.empty_state_dict_load_planner(keys=keys))
     except CheckpointException as err:
         cause = unwrap_checkpoint_exception(err)
         if cause is err:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain import comm as collectives
 from lightning_disttrain.checkpoint import rng, storage
 from lightning_disttrain.checkpoint.safe_load import reader_for, unwrap_checkpoint_exception
@@ -464,9 +465,7 @@ def _writer_for(path: Path | str):
     """DCP's fsspec writer for a URL; None (DCP's local FileSystemWriter) for a path."""
     if not storage.is_url(path):
         return None
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(str(path))
+    return torch_compat.fsspec_writer_class()(str(path))
 
 
 def _reader_for(path: Path | str, trust_checkpoint: bool = False):

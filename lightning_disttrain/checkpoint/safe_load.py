@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain.checkpoint import storage
 
 TRUST_HINT = ("if you trust whoever wrote this checkpoint, pass --trust-checkpoint "
@@ -114,7 +115,7 @@ class _Restricted:
     """``read_metadata`` and ``read_data`` of a DCP reader, without unrestricted unpickling."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = torch_compat.metadata_path(self, kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = load_dcp_metadata(f, where=path)
         if getattr(metadata, "storage_meta", None) is None:
@@ -136,9 +137,7 @@ _fsspec_reader: type | None = None
 def _safe_fsspec_reader() -> type:
     global _fsspec_reader
     if _fsspec_reader is None:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        _fsspec_reader = type("SafeFsspecReader", (_Restricted, FsspecReader),
+        _fsspec_reader = type("SafeFsspecReader", (_Restricted, torch_compat.fsspec_reader_class()),
                               {"__doc__": "torch's FsspecReader with restricted unpickling."})
     return _fsspec_reader
 
@@ -147,9 +146,7 @@ def reader_for(path: str | os.PathLike, trust_checkpoint: bool = False):
     """The DCP storage reader for a local path or an fsspec URL: restricted unless trusted."""
     if storage.is_url(path):
         if trust_checkpoint:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-            return FsspecReader(str(path))
+            return torch_compat.fsspec_reader_class()(str(path))
         return _safe_fsspec_reader()(str(path))
     return FileSystemReader(Path(path)) if trust_checkpoint else SafeFileSystemReader(Path(path))
 

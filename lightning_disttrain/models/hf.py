@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain.models.gpt import GPT, GPTConfig, rope_tables
 from lightning_disttrain.models.hf_config import (  # noqa: F401  (re-exported: the interop API is here)
     BIN,
@@ -234,14 +235,14 @@ def _reader(weights: HFWeights, e: Entry) -> Callable[[tuple[int, ...], tuple[in
 def _assign(target: torch.Tensor, read: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor]) -> None:
     """Copy into ``target`` (a plain tensor or this rank's shard of a DTensor) what ``read`` gives."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(target, DTensor):
         target.copy_(read((0,) * target.ndim, tuple(target.shape)))
         return
     local = target.to_local()
     if all(type(p) in (Shard, Replicate) for p in target.placements):
-        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        shape, offset = torch_compat.compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                           target.placements)
         if local.numel():
             local.copy_(read(tuple(offset), tuple(shape)))
     else:  # e.g. FSDP over tensor parallel on one dim (_StridedShard): cut the full tensor locally

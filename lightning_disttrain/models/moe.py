@@ -13,7 +13,7 @@ experts), and the expert outputs are summed with the router's weights. The piece
   version without touching routing or the experts.
 - ``GroupedExperts``: all routed experts' weights stacked in 3-D parameters ``[num_experts, out,
   in]`` (shardable over experts), one grouped GEMM per projection over the sorted tokens
-  (``torch._grouped_mm``), or a loop over experts where that kernel does not take the dtype.
+  (``torch.nn.functional.grouped_mm``), or a loop over experts where that kernel does not take the dtype.
 
 Dropless by default: every token reaches its ``top_k`` experts. Balancing state: ``expert_bias``
 is a persistent buffer (saved with checkpoints); the per-expert token counts of the forward passes
@@ -118,11 +118,12 @@ def check_gpt_moe_fields(config) -> None:
 # ---- expert compute ---------------------------------------------------------------------------
 
 def grouped_mm_supported(*tensors: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands: on CPU float32/bfloat16/float16, on
-    CUDA bfloat16 (its kernel's only unscaled dtype), and on both the last dimension of every
-    operand a multiple of 16 bytes (the kernel refuses other strides). Under ``torch.compile``
-    bfloat16 only: the kernel's meta function refuses the others."""
-    if not hasattr(torch, "_grouped_mm"):
+    """Whether ``torch.nn.functional.grouped_mm`` (torch's ``_grouped_mm`` kernel, called as is)
+    takes these operands: on CPU float32/bfloat16/float16, on CUDA bfloat16 (its kernel's only
+    unscaled dtype), and on both the last dimension of every operand a multiple of 16 bytes (the
+    kernel refuses other strides). Under ``torch.compile`` bfloat16 only: the kernel's meta
+    function refuses the others."""
+    if not hasattr(F, "grouped_mm"):
         return False
     t = tensors[0]
     ok_dtypes = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
@@ -138,7 +139,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     expert's ``weight[e]`` (num_experts, out, in) transposed, like ``nn.Linear``: (N, out)."""
     if grouped:
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # end row of each expert's group
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
     parts = x.split(counts.tolist())
     return torch.cat([part @ weight[e].T for e, part in enumerate(parts)])
 
@@ -157,7 +158,7 @@ class GroupedExperts(nn.Module):
     No biases: a grouped GEMM carries none."""
 
     use_grouped_mm: bool | None = None
-    """None: ``torch._grouped_mm`` where ``grouped_mm_supported``, else a loop over experts;
+    """None: ``F.grouped_mm`` where ``grouped_mm_supported``, else a loop over experts;
     True/False forces one path (True fails where the kernel refuses)."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int, activation: str):

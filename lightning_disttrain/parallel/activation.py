@@ -53,14 +53,13 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
+from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain.parallel.plan import as_block_list
 
 ACPolicy = Literal["none", "selective", "block", "full"]
@@ -210,7 +209,7 @@ def _parameter_names(cls: type) -> tuple[str, ...]:
 
 def _without_cache(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args``/``kwargs`` with any cache the block would write replaced by None."""
-    if getattr(block, "_can_checkpoint_with_cache", False):
+    if torch_compat.checkpoints_with_cache(block):
         return args, kwargs
     dropped = [name for name in CACHE_ARGUMENTS if kwargs.get(name) is not None]
     if dropped:
@@ -318,20 +317,23 @@ def _plain(t: Any) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta"
 
 
-class _NewStorageTracker(TorchDispatchMode):
-    # Weak references to every storage an op allocated (outputs that are not views of an input).
+class _NewStorageTracker(torch_compat.TorchDispatchMode):
+    # Weak references to every storage an op allocated (outputs that are not views of an input),
+    # keyed by the storage's identity (StorageWeakRef.cdata: the storage's own id, as an int).
     def __init__(self) -> None:
         super().__init__()
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _plain(t)}
-        for t in tree_leaves(out):
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata
+                  for t in torch_compat.tree_leaves((args, kwargs)) if _plain(t)}
+        for t in torch_compat.tree_leaves(out):
             if _plain(t):
                 storage = t.untyped_storage()
-                if storage._cdata not in inputs and storage._cdata not in self.storages:
-                    self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                ref = StorageWeakRef(storage)
+                if ref.cdata not in inputs and ref.cdata not in self.storages:
+                    self.storages[ref.cdata] = (ref, storage.nbytes())
         return out
 
 

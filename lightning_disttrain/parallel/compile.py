@@ -13,7 +13,7 @@ every FQN, which breaks checkpoints and TP plans). Activation checkpointing appl
 (stage 5) is traced into the graph, its SAC policy included.
 
 Recompilations: a shape change between steps (the last, shorter batch; variable sequence length)
-makes dynamo recompile the blocks, which is slow and, past ``torch._dynamo.config.recompile_limit``
+makes dynamo recompile the blocks, which is slow and, past ``torch.compiler.config.recompile_limit``
 (8), falls back to eager for good, silently apart from one log line. ``RecompileWatcher.check`` is
 called by the strategy once per training step and warns with dynamo's own reason.
 """
@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from lightning_disttrain import _torch_compat as torch_compat
 
 
 def apply_compile(
@@ -83,9 +85,7 @@ class Recompile:
 def _compilation_metrics() -> list:
     # Private but stable since 2.2: one CompilationMetrics per dynamo frame compile, with the
     # guard failure that caused it (``recompile_reason``) whether or not recompile logging is on.
-    from torch._dynamo.utils import get_compilation_metrics
-
-    return get_compilation_metrics()
+    return torch_compat.compilation_metrics()
 
 
 class RecompileWatcher:
@@ -132,8 +132,8 @@ class RecompileWatcher:
         at = f" before step {step}" if step is not None else ""
         for r in found:
             if r.limit_hit:
-                consequence = (f"this exceeded torch._dynamo.config.recompile_limit="
-                               f"{torch._dynamo.config.recompile_limit}: it now runs eagerly")
+                consequence = (f"this exceeded torch.compiler.config.recompile_limit="
+                               f"{torch.compiler.config.recompile_limit}: it now runs eagerly")
             else:
                 consequence = "recompiling costs time on every new shape"
             warnings.warn(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain.parallel.transforms import Transform, TransformContext
 
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -213,7 +214,7 @@ def uses_float8_all_gather(model: nn.Module) -> bool:
         return False
     for fqn in float8_fqns(model):
         weight = model.get_submodule(fqn).weight
-        local = getattr(weight, "_local_tensor", weight)
+        local = torch_compat.local_tensor(weight)
         if isinstance(local, mod.WeightWithDynamicFloat8CastTensor):
             return True
     return False

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain import comm
 from lightning_disttrain.parallel.plan import ParallelPlan
 
@@ -185,9 +186,9 @@ def offload_safe_to_device(module: nn.Module, device: torch.device, cpu_offload:
         module.to(device)
         return
     for sub in module.modules():
-        for name, buf in sub._buffers.items():
-            if buf is not None and buf.device != device:
-                sub._buffers[name] = buf.to(device)
+        for name, buf in list(sub.named_buffers(recurse=False, remove_duplicate=False)):
+            if buf.device != device and (moved := buf.to(device)) is not buf:
+                setattr(sub, name, moved)
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -280,7 +281,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     for g in local:
         buckets.setdefault((g.device, g.dtype), []).append(g)
     for (device, dtype), gs in buckets.items():
-        torch._foreach_mul_(gs, clip_coef.to(device=device, dtype=dtype))
+        torch_compat.foreach_mul_(gs, clip_coef.to(device=device, dtype=dtype))
     return total
 
 

@@ -13,9 +13,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain import comm
 from lightning_disttrain.models.param_init import param_seed
 
@@ -27,11 +26,9 @@ def has_meta_tensors(module: nn.Module) -> bool:
 def dtensor_rng_supported(mesh) -> bool:
     """Whether DTensor's random ops initialise a shard as the slice of one full random tensor on
     this mesh (CUDA-like devices). Elsewhere each rank would draw its shard from its local RNG."""
-    from torch.distributed.tensor._random import is_rng_supported_mesh
-
     with warnings.catch_warnings():  # it warns on every unsupported mesh; the answer is enough
         warnings.simplefilter("ignore")
-        return is_rng_supported_mesh(mesh)
+        return torch_compat.is_rng_supported_mesh(mesh)
 
 
 # ---- shared parameters ----------------------------------------------------------------------
@@ -71,13 +68,13 @@ def check_ties(module: nn.Module, groups: list[list[str]]) -> None:
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
-    local = getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+    local = torch_compat.local_tensor(t)  # a DTensor's shard on this rank
     if local.is_meta or local.numel() == 0:
         return None
     return local.untyped_storage().data_ptr()
 
 
-class _WriteTracker(TorchDispatchMode):
+class _WriteTracker(torch_compat.TorchDispatchMode):
     """Records the storage of every tensor an op writes in place (``normal_``, ``copy_``, ...)."""
 
     def __init__(self) -> None:
@@ -86,10 +83,10 @@ class _WriteTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for i, arg in enumerate(func._schema.arguments):
+        for i, arg in enumerate(torch_compat.op_schema(func).arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in tree_leaves(value):
+                for t in torch_compat.tree_leaves(value):
                     if isinstance(t, torch.Tensor) and (key := _storage_key(t)) is not None:
                         self.written.add(key)
         return func(*args, **kwargs)
@@ -105,9 +102,9 @@ def _reset_every_submodule(module: nn.Module) -> None:
     for name, sub in module.named_modules():
         if id(sub) in covered:
             continue
-        for attr in ("init_weights", "reset_parameters", "_reset_parameters"):
-            fn = getattr(sub, attr, None)
-            if callable(fn) and (attr != "_reset_parameters" or type(sub).__module__.startswith("torch.nn")):
+        for attr in ("init_weights", "reset_parameters", None):
+            fn = getattr(sub, attr, None) if attr else torch_compat.torch_nn_reset_parameters(sub)
+            if callable(fn):
                 with _seeded_by_name(sub, name):
                     fn()
                 if attr == "init_weights":
@@ -117,7 +114,7 @@ def _reset_every_submodule(module: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _seeded_by_name(sub: nn.Module, name: str):
-    devices = {getattr(t, "_local_tensor", t).device for t in itertools.chain(sub.parameters(), sub.buffers())}
+    devices = {torch_compat.local_tensor(t).device for t in itertools.chain(sub.parameters(), sub.buffers())}
     cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
     with torch.random.fork_rng(devices=cuda, device_type="cuda"):
         torch.manual_seed(param_seed(f"module/{name}"))
@@ -171,9 +168,9 @@ def materialize_(module: nn.Module, device: torch.device | str,
     retie_parameters(module, ties)
     if buffer_device is not None and torch.device(buffer_device) != torch.device(device):
         for sub in module.modules():
-            for name, buf in sub._buffers.items():
-                if buf is not None:
-                    sub._buffers[name] = buf.to(buffer_device)
+            for name, buf in list(sub.named_buffers(recurse=False, remove_duplicate=False)):
+                if (moved := buf.to(buffer_device)) is not buf:
+                    setattr(sub, name, moved)
     init(module)
 
 

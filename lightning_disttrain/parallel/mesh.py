@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_disttrain import _torch_compat as torch_compat
+
 # Outermost to innermost. The order decides which ranks are neighbours: the innermost dimension
 # gets consecutive ranks (the same node, the fastest links), so TP, which communicates in every
 # layer, is innermost and PP, which sends one activation per micro-batch, is outermost.
@@ -234,19 +236,20 @@ class ParallelDims:
         meshes: dict[str, DeviceMesh] = {"world": world}
         meshes.update({name: world[name] for name in MESH_DIMS})
         for flat_name, dims in FLAT_DIMS.items():
-            meshes[flat_name] = world[dims]._flatten(flat_name)
+            meshes[flat_name] = torch_compat.flatten_mesh(world[dims], flat_name)
         if self.dp_replicate > 1:
             # HSDP: a 2-D (replicate, shard) view of the same ranks as dp_cp. Unflattening keeps the
             # world mesh as its root, which FSDP needs to compose with tensor parallel later.
-            meshes["fsdp"] = meshes["dp_cp"]._unflatten(
-                0, (self.dp_replicate, self.fsdp_size), ("dp_replicate", "dp_shard_cp"))
+            meshes["fsdp"] = torch_compat.unflatten_mesh(
+                meshes["dp_cp"], 0, (self.dp_replicate, self.fsdp_size), ("dp_replicate", "dp_shard_cp"))
         else:
             meshes["fsdp"] = meshes["dp_shard_cp"]
         if self.ep > 1:
             # Expert parallel: the FSDP ranks regrouped as (efsdp, ep), ep innermost (consecutive
             # ranks: all-to-all in every MoE layer). Experts are sharded over ep, each shard FSDP-
             # sharded over efsdp; both keep the world mesh as root, as FSDP2 needs to compose them.
-            split = meshes["dp_shard_cp"]._unflatten(0, (self.fsdp_size // self.ep, self.ep), ("efsdp", "ep"))
+            split = torch_compat.unflatten_mesh(meshes["dp_shard_cp"], 0, (self.fsdp_size // self.ep, self.ep),
+                                                ("efsdp", "ep"))
             meshes["ep"], meshes["efsdp"] = split["ep"], split["efsdp"]
         self._meshes = meshes
         return world

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lightning_disttrain import _torch_compat as torch_compat
+
 SINGLE_STAGE = ("GPipe", "1F1B")
 """Schedules with one stage per rank."""
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
@@ -190,28 +192,19 @@ def blocks_attribute(module: nn.Module, blocks: nn.Module) -> str:
                      f"(PipelinePlan.module); move them there or point PipelinePlan.module at their parent")
 
 
-def _view(model: nn.Module, blocks_name: str, keys: list[str], first: bool, last: bool,
+def _view(model: nn.Module, blocks_name: str, blocks: nn.ModuleDict, keys: list[str], first: bool, last: bool,
           plan: PipelinePlan) -> nn.Module:
-    """A module of ``model``'s class sharing its submodules, with only these blocks and edges."""
-    cls = type(model)
-    view = cls.__new__(cls)
-    nn.Module.__init__(view)  # its own hooks: FSDP's root hooks on one view stay off the others
-    for k, v in model.__dict__.items():
-        view.__dict__.setdefault(k, v)  # plain attributes (config, flags)
-    view._modules = dict(model._modules)
-    view._parameters = dict(model._parameters)
-    view._buffers = dict(model._buffers)
-    view._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
-    blocks = model._modules[blocks_name]
-    sub = type(blocks).__new__(type(blocks))
-    nn.Module.__init__(sub)
-    sub._modules = {k: blocks._modules[k] for k in keys}
-    view._modules[blocks_name] = sub
+    """A module of ``model``'s class sharing its submodules, with only these blocks and edges.
+    Neither runs its class's ``__init__``; each has hooks of its own (FSDP's root hooks on one view
+    stay off the others)."""
+    held = dict(blocks.items())  # a ModuleDict's slots, in order
+    children: dict[str, nn.Module | None] = {
+        blocks_name: torch_compat.module_view(blocks, {k: held[k] for k in keys}, share=False)}
     for name in () if first else plan.first:
-        view._modules[name] = None
+        children[name] = None
     for name in () if last else plan.last:
-        view._modules[name] = None
-    return view
+        children[name] = None
+    return torch_compat.module_view(model, children)
 
 
 def split_model(plan: PipelinePlan, blocks: nn.Module, ranges: list[range], local: list[int]) -> list[nn.Module]:
@@ -223,8 +216,9 @@ def split_model(plan: PipelinePlan, blocks: nn.Module, ranges: list[range], loca
                          f"survive the split), not {type(blocks).__name__}; build them as "
                          f"nn.ModuleDict({{str(i): Block(...) for i in range(n_layer)}}) and iterate .values()")
     name = blocks_attribute(model, blocks)
+    slots = torch_compat.child_slots(model)
     for attr in (*plan.first, *plan.last):
-        if attr not in model._modules:
+        if attr not in slots:
             raise ValueError(f"PipelinePlan names {attr!r}, which is not a child module of {type(model).__name__}")
     keys = list(blocks.keys())
     object.__setattr__(blocks, "_ldt_all_keys", keys)  # the unsplit model's layers (float8's edge blocks, logs)
@@ -239,7 +233,7 @@ def split_model(plan: PipelinePlan, blocks: nn.Module, ranges: list[range], loca
         setattr(model, attr, None)
     if len(local) == 1:
         return [model]
-    return [_view(model, name, [keys[i] for i in ranges[s]], s == 0, s == n_stages - 1, plan) for s in local]
+    return [_view(model, name, blocks, [keys[i] for i in ranges[s]], s == 0, s == n_stages - 1, plan) for s in local]
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -286,7 +280,7 @@ def _stage_class() -> type:
     global _STAGE_CLASS
     if _STAGE_CLASS is not None:
         return _STAGE_CLASS
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
 
     class RunnerStage(PipelineStage):
@@ -308,11 +302,7 @@ def _stage_class() -> type:
             module.set_is_last_backward(True)
             module.set_reshard_after_backward(True)
             module.set_requires_gradient_sync(False)
-            state = fully_shard.state(module)
-            for each in state._state_ctx.all_states:
-                for group in each._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()
+            torch_compat.fsdp_post_backward(module)
             if grad_scale_factor != 1:
                 self.scale_grads(grad_scale_factor)
 
@@ -417,32 +407,11 @@ class PipelineRunner:
         order, as a compute-only action list that torch's schedule runtime lowers to sends and
         receives. (The zero-bubble and V schedules' own forward-only mode still steals backward
         inputs and fails in torch 2.13.)"""
-        from torch.distributed.pipelining.schedules import (
-            PipelineScheduleMulti,
-            _Action,
-            _ComputationType,
-            _PipelineScheduleRuntime,
-        )
-
         mapping = {s: stage_to_rank(s, self.pp, self.options) for s in range(self.num_stages)}
-
-        class KnownMapping(PipelineScheduleMulti):
-            # torch's check wants every micro-batch to run backward too; here none does. The
-            # runtime reaches this through super(), hence a class between it and PipelineScheduleMulti.
-            def _validate_and_set_stage_mapping(self, actions) -> None:
-                self.stage_index_to_group_rank = mapping
-                for stage in self._stages:
-                    stage.stage_index_to_group_rank = mapping
-
-        class ForwardOnly(_PipelineScheduleRuntime, KnownMapping):
-            pass
-
-        schedule = ForwardOnly(stages, n_microbatches=self.microbatches, loss_fn=self._call_loss, scale_grads=False)
-        forward = _ComputationType.FORWARD
-        actions = {r: [_Action(s, forward, mb) for s in stage_ids(r, self.pp, self.options)
-                       for mb in range(self.microbatches)] for r in range(self.pp)}
-        schedule._prepare_schedule_with_comms(actions, format="compute_only")
-        return schedule
+        actions = {r: [(s, mb) for s in stage_ids(r, self.pp, self.options) for mb in range(self.microbatches)]
+                   for r in range(self.pp)}
+        return torch_compat.compute_only_schedule(stages, actions, mapping, n_microbatches=self.microbatches,
+                                                  loss_fn=self._call_loss, scale_grads=False)
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, train: bool,
             aux_weight: float = 1.0) -> None:

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain.parallel.materialize import retie_parameters, tied_parameters
 from lightning_disttrain.parallel.plan import ParallelPlan
 
@@ -154,7 +155,7 @@ def _float8_styles(plan: Mapping[str, ParallelStyle], prefix: str, float8: set[s
     return out
 
 
-class ReplicateOnShardedInput(ParallelStyle):
+class ReplicateOnShardedInput(torch_compat.ParallelStyleBase):
     """For a small module with its own weights that runs on activations sharded on ``dim`` (e.g.
     QK-norm on the local attention heads): its parameters become replicated DTensors, so their
     gradients, summed over the shards each rank saw, are all-reduced across the TP ranks. Input
@@ -164,7 +165,7 @@ class ReplicateOnShardedInput(ParallelStyle):
         super().__init__()
         self.dim = dim
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def apply_style(self, module: nn.Module, device_mesh) -> nn.Module:
         def replicate(name, mod, mesh):
             for p_name, param in list(mod.named_parameters(recurse=False)):
                 mod.register_parameter(p_name, nn.Parameter(
@@ -196,9 +197,7 @@ def vocabulary_padding_bias(logits: DTensor, vocab_size: int) -> DTensor:
 
 def enable_async_tp(tp_mesh) -> None:
     """Let inductor fuse TP's all-gather / reduce-scatter with the matmuls next to them (CUDA only:
-    symmetric memory between the TP ranks). Takes effect in compiled blocks."""
-    import torch._inductor.config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    inductor_config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    symmetric memory between the TP ranks, which torch below 2.13 must be told to set up). Takes
+    effect in compiled blocks."""
+    torch_compat.enable_micro_pipeline_tp()
+    torch_compat.enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -111,7 +111,7 @@ def test_dropless_routes_every_token_to_k_distinct_experts():
     assert torch.equal(idx.reshape(-1)[order], torch.sort(idx.reshape(-1)).values)  # grouped by expert
 
 
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no F.grouped_mm")
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_grouped_gemm_and_loop_agree(activation):
     moe = make_moe(activation=activation, shared_experts=1)
