@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_disttrain import _torch_compat as torch_compat
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _HOST_BACKENDS = ("gloo", "mpi", "fake")
 
@@ -60,6 +62,25 @@ def backend_device(backend: str) -> torch.device:
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device ``group``'s collectives carry tensors on (None: the default group)."""
     return backend_device(dist.get_backend(group))
+
+
+_HOST_GROUPS: dict[int, dist.ProcessGroup | None] = {}
+
+
+def host_group() -> dist.ProcessGroup | None:
+    """A group of every rank whose collectives carry host tensors: the default group when its
+    backend is a host one (gloo), else a gloo group over the same ranks, made once per default
+    group. For control flags (the preemption agreement): a 4-byte all-reduce on the host does not
+    wait for the accelerator's queue, where the same flag over NCCL needs a device sync to read.
+    Collective the first time: every rank must call it at the same point."""
+    default = dist.group.WORLD
+    key = id(default)
+    if key not in _HOST_GROUPS:
+        if str(dist.get_backend()).lower() in _HOST_BACKENDS:
+            _HOST_GROUPS[key] = None
+        else:
+            _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[key]
 
 
 def _staged(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -131,10 +152,23 @@ def all_to_all_single(tensor: torch.Tensor, output_split_sizes: list[int] | None
     """Functional ``all_to_all_single`` (autograd flows through it: its backward is the reverse
     exchange), waited on. ``group``: a process group or a 1-D ``DeviceMesh``. A tensor that lives
     elsewhere than the group's device goes there and its result comes back (differentiably)."""
-    import torch.distributed._functional_collectives as funcol
-
+    funcol = torch_compat.funcol()
     device = group_device(group.get_group() if hasattr(group, "get_group") else group)
     staged = tensor if tensor.device == device else tensor.to(device)
     out = funcol.all_to_all_single(staged, output_split_sizes, input_split_sizes, group)
     out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return out if out.device == tensor.device else out.to(tensor.device)
+
+
+def all_gather_autograd(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The ranks' ``tensor`` concatenated along ``dim`` in group-rank order, differentiably (the
+    backward reduce-scatters the gradient back to each rank's slice), waited on. ``group``: a
+    process group or a 1-D ``DeviceMesh``. Context parallel gathers keys and values with it."""
+    funcol = torch_compat.funcol()
+    device = group_device(group.get_group() if hasattr(group, "get_group") else group)
+    staged = tensor if tensor.device == device else tensor.to(device)
+    moved = staged.movedim(dim, 0).contiguous()
+    out = funcol.all_gather_tensor_autograd(moved, gather_dim=0, group=group)
+    out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    out = out.movedim(0, dim)
     return out if out.device == tensor.device else out.to(tensor.device)

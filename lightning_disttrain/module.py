@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lightning_disttrain import _lightning_compat as compat
+from lightning_disttrain.models.context_parallel import whole_sequences
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.models.hf import load_hf_weights_
 from lightning_disttrain.models.hf_config import check_compatible, config_from_hf_dir
@@ -198,7 +199,9 @@ class GPTModule(L.LightningModule):
                             tp_block_plan=lambda options: gpt_tp.block_plan(c, options),
                             tp_root_plan=lambda options: gpt_tp.root_plan(c, options, prefix="model"),
                             moe_layers=list(moe_layers(m).values()),
-                            pipeline=PipelinePlan(m, first=("wte", "wpe"), last=("ln_f", "lm_head")))
+                            # RoPE models have no wpe module (the attribute is None)
+                            pipeline=PipelinePlan(m, first=("wte", "wpe") if c.pos_emb == "learned" else ("wte",),
+                                                  last=("ln_f", "lm_head")))
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (6·N + 12·L·H·Dh·T); see ``GPT.flops_per_token``."""
@@ -300,7 +303,9 @@ class GPTModule(L.LightningModule):
         self._log_eval(loss, batch[0], "test", self.test_loss, self.test_ppl)
 
     def _log_train(self, loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        self.tokens_seen += x.numel() * self._data_parallel_size()
+        # x is this rank's shard of the batch: context parallel ranks hold 1/cp of each sequence
+        cp = int(getattr(self.trainer.strategy, "context_parallel_size", 1))
+        self.tokens_seen += x.numel() * self._data_parallel_size() * cp
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)
         self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
         return loss
@@ -441,6 +446,13 @@ class GPTModule(L.LightningModule):
             gen.seed()
         was_training = self.training
         self.eval()
+        with whole_sequences(self):  # under context parallel every rank generates the whole sequence
+            idx = self._sample_tokens(idx, max_new_tokens, temperature, top_k, gen)
+        self.train(was_training)
+        return self.tokenizer.decode(idx[0].tolist()) if as_text else idx
+
+    def _sample_tokens(self, idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+                       gen: torch.Generator) -> torch.Tensor:
         for _ in range(max_new_tokens):
             logits = self._last_logits(idx[:, -self.config.block_size:])[:, : self.config.vocab_size].float()
             if temperature == 0:
@@ -452,5 +464,4 @@ class GPTModule(L.LightningModule):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=gen)
             idx = torch.cat([idx, nxt], dim=1)
-        self.train(was_training)
-        return self.tokenizer.decode(idx[0].tolist()) if as_text else idx
+        return idx

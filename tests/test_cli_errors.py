@@ -72,10 +72,10 @@ def test_unknown_tokenizer_is_one_line(tmp_path, capsys):
     assert line == "error: data: unknown tokenizer 'gpt3'; choose one of gpt2, r50k_base, bytes."
 
 
-def test_unsupported_strategy_degree_names_the_key(tmp_path, capsys):
-    strategy = {"class_path": "lightning_disttrain.strategies.NDParallelStrategy", "init_args": {"cp": 2}}
+def test_a_bad_strategy_degree_names_the_key(tmp_path, capsys):
+    strategy = {"class_path": "lightning_disttrain.strategies.NDParallelStrategy", "init_args": {"cp": 0}}
     line = _config_error(tmp_path, capsys, strategy=strategy)
-    assert line.startswith("error: trainer.strategy: NDParallelStrategy(cp=2) is not supported yet: ")
+    assert line.startswith("error: trainer.strategy: NDParallelStrategy(cp=0): a parallel degree is an int >= 1")
 
 
 def test_callback_error_names_its_list_position(tmp_path, capsys):

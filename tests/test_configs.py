@@ -13,7 +13,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = ["quickstart.yaml", "gpt2-124m-fineweb.yaml", "tensor-parallel.yaml", "pipeline-parallel.yaml"]
+CONFIGS = ["quickstart.yaml", "gpt2-124m-fineweb.yaml", "tensor-parallel.yaml", "pipeline-parallel.yaml",
+           "context-parallel.yaml"]
 
 
 def _checkpoint_args(config: str) -> dict:
@@ -60,4 +61,4 @@ def test_shipped_config_saves_on_sigterm_and_resumes_itself(config):
     paths = [c["class_path"] for c in data["trainer"]["callbacks"]]
     assert "lightning_disttrain.callbacks.PreemptionCheckpoint" in paths
     assert data.get("ckpt_path") == "auto"
-    assert len(TRAINING_CONFIGS) == 6
+    assert len(TRAINING_CONFIGS) == 7

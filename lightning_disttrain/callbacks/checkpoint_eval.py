@@ -106,6 +106,10 @@ class CheckpointEval(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or not self.on_checkpoint or self._observed is not None:
             return
+        if int(getattr(trainer.strategy, "context_parallel_size", 1)) > 1:
+            raise ValueError("CheckpointEval scores whole sequences per rank, which context parallel (cp > 1) does "
+                             "not run yet: evaluate the saved checkpoints with `lightning-disttrain eval` (one "
+                             "process or cp=1), or remove the callback from this run")
         strategy, original = trainer.strategy, trainer.strategy.save_checkpoint
 
         @functools.wraps(original)

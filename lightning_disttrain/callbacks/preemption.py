@@ -8,8 +8,9 @@ What happens, in order:
    reduce-scatter, and both hang until the 30-minute collective timeout. Lightning's SLURM
    SIGUSR1 handler (a save inside the handler) is replaced for the same reason.
 2. At a step boundary (``on_train_batch_end`` after an optimizer step, every
-   ``check_every_n_steps`` steps) all ranks agree: one ``all_reduce(MAX)`` of a one-element tensor
-   over the default group (``lightning_disttrain.comm``). The signal may have reached any subset of
+   ``check_every_n_steps`` steps) all ranks agree: one ``all_reduce(MAX)`` of a one-element host
+   tensor over every rank (``comm.host_group``: the default group under gloo, a gloo group beside
+   NCCL, so that reading the flag does not drain the GPU's queue; ``lightning_disttrain.comm``). The signal may have reached any subset of
    the ranks. During a validation inside ``fit`` (``stop_validation=True``) the ranks also agree
    after every validation batch, so a signal there stops the validation at the end of the batch in
    progress instead of waiting for the whole validation and the next training step. Every rank
@@ -210,6 +211,7 @@ class PreemptionCheckpoint(Callback):
         self._previous: dict[int, Any] = {}
         self._checked_step = -1
         self._poller: NoticePoller | None = None
+        self._flag_group: Any = None  # comm.host_group(), from setup
 
     grace_period_for = staticmethod(grace_period_for)
 
@@ -255,6 +257,8 @@ class PreemptionCheckpoint(Callback):
         if stage == "fit":
             self.reason = None
             self._checked_step = -1
+            if comm.is_distributed() and trainer.world_size > 1:
+                self._flag_group = comm.host_group()  # collective: every rank's setup runs here
             self._take_over_lightnings_handlers(trainer)
             if self.save:
                 self._resolve_auto_on_restore(trainer)
@@ -367,8 +371,10 @@ class PreemptionCheckpoint(Callback):
         if not comm.is_distributed() or trainer.world_size == 1:
             return self.reason is not None
         start = time.perf_counter()
-        flag = torch.tensor([0 if self.reason is None else 1], dtype=torch.int32, device=trainer.strategy.root_device)
-        comm.all_reduce(flag, op="max")
+        # On the host, over a gloo group (comm.host_group, made in setup): reading the result then
+        # waits for the 4-byte exchange only, not for the accelerator's queue to drain.
+        flag = torch.tensor([0 if self.reason is None else 1], dtype=torch.int32)
+        comm.all_reduce(flag, op="max", group=self._flag_group)
         agreed = bool(flag.item())
         self.agreement_seconds.append(time.perf_counter() - start)
         return agreed

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_disttrain.models import param_init
+from lightning_disttrain.models.context_parallel import ContextParallel
 from lightning_disttrain.models.moe import MoE, MoEConfig, active_params, check_gpt_moe_fields, moe_layers
 
 _MLPS = ("gelu", "swiglu", "relu2")
@@ -222,6 +223,8 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.dropout = config.dropout
+        self.context_parallel: ContextParallel | None = None
+        """Set by the strategy under cp > 1: the sequence is sharded, keys and values are gathered."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -234,9 +237,13 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D) for SDPA
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_head != self.n_head)
+        dropout_p = self.dropout if self.training else 0.0
+        cp = self.context_parallel
+        if cp is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                               enable_gqa=self.n_kv_head != self.n_head)
+        else:  # this rank's queries against the whole sequence's keys (models/context_parallel.py)
+            y = cp.attention(q, k, v, dropout_p=dropout_p, enable_gqa=self.n_kv_head != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -282,10 +289,10 @@ class Layers(nn.ModuleDict):
     the layers it does not hold and the others keep their index, hence their names."""
 
     def __iter__(self):
-        return iter(self._modules.values())
+        return iter(self.values())
 
     def __getitem__(self, key: int | str) -> nn.Module:
-        return self._modules[str(key)] if isinstance(key, int) else super().__getitem__(key)
+        return super().__getitem__(str(key) if isinstance(key, int) else key)
 
 
 class GPT(nn.Module):
@@ -312,6 +319,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = Layers({str(i): Block(config, i) for i in range(config.n_layer)})
         self.moe_aux_loss: torch.Tensor | None = None  # set by forward: see there
+        self.context_parallel: ContextParallel | None = None  # cp > 1: positions of the shard (forward)
         self.ln_f = _norm(config)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         if config.tie_embeddings:
@@ -377,18 +385,24 @@ class GPT(nn.Module):
         enabled auxiliary losses (balance, z-loss; already weighted), or None when none is on:
         the trainer adds it to the loss.
         """
+        cp = self.context_parallel
+        T = idx.size(1)  # this rank's tokens (under context parallel, a shard of the sequence)
+        positions = None if cp is None else cp.local_positions(T, idx.device)
         if self.wte is not None:
-            T = idx.size(1)
-            if T > self.config.block_size:
-                raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}; "
+            full = T if cp is None else cp.full_length(T)
+            if full > self.config.block_size:
+                raise ValueError(f"sequence length {full} exceeds block_size={self.config.block_size}; "
                                  f"use shorter sequences or a config with a larger block_size")
             x = self.wte(idx)
             if self.wpe is not None:
-                x = x + self.wpe(torch.arange(T, device=idx.device))
+                x = x + self.wpe(torch.arange(T, device=idx.device) if positions is None else positions)
             x = self.drop(x)
         else:
             x = idx  # a later pipeline stage: the hidden states of the one before
-        rope = (self.rope_cos, self.rope_sin) if self.config.pos_emb == "rope" else None
+        rope = None
+        if self.config.pos_emb == "rope":
+            rope = (self.rope_cos, self.rope_sin) if positions is None else (
+                self.rope_cos[positions], self.rope_sin[positions])
         for block in self.blocks:
             x = block(x, rope)
         if self.config.moe_num_experts:

@@ -46,6 +46,14 @@ class TPSettings:
 
 
 @dataclass
+class CPSettings:
+    """How the context-parallel step shards attention (see ``parallel.context``)."""
+
+    mesh: Any
+    """The 1-D ``cp`` mesh: the ranks that share each sequence."""
+
+
+@dataclass
 class EPSettings:
     """How stage 4 shards (see ``parallel.expert``)."""
 
@@ -103,13 +111,14 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
                 compile_options: dict[str, Any] | None = None,
                 tp: TPSettings | None = None,
                 ep: EPSettings | None = None,
+                cp: CPSettings | None = None,
                 fsdp: FSDPSettings | None = None) -> Parallelized:
     """Apply every parallelism to ``module`` in place: THE order, with the reason for each step.
 
     ``host``: the strategy's part (precision cast, pipeline split, weight init, device move);
     None runs the transforms only (tests, a module built eagerly on its device).
     ``compile_options``: None skips compilation; a dict (possibly empty) compiles each block.
-    ``tp`` / ``ep`` / ``fsdp``: None skips that parallelism.
+    ``tp`` / ``ep`` / ``cp`` / ``fsdp``: None skips that parallelism.
     """
     host = host or Host()
     done = Parallelized()
@@ -178,6 +187,15 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
         done.steps.append(f"expert_parallel: ep={ep.mesh.size()}, {len(layers)} MoE layers, experts FSDP over "
                           f"{ep.expert_fsdp_mesh.size()} ranks")
     stage("expert_parallel")
+    # 5b. context parallel: attention gathers the keys and values of the cp ranks and positions
+    #     follow the rank's shard of each sequence; before checkpointing and compile, so that
+    #     both see (and recompute, and trace) the gathering attention.
+    if cp is not None:
+        from lightning_disttrain.parallel.context import apply_context_parallel
+
+        n = apply_context_parallel(module, cp.mesh)
+        done.steps.append(f"context_parallel: cp={cp.mesh.size()}, {n} attention layers gather K/V, "
+                          f"load-balanced chunks")
     # 6. activation checkpointing: wraps whole blocks, after TP so its plans see real names.
     stage("activation_checkpointing")
     # 7. per-block torch.compile: after checkpointing, so the policy is traced into the graph.

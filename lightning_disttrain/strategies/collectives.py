@@ -40,11 +40,14 @@ class CollectivesMixin:
 
     @property
     def dp_process_group(self) -> Optional[dist.ProcessGroup]:
-        """The group of data-parallel ranks (None: every rank, i.e. no other parallelism)."""
+        """The group of data-parallel and context-parallel ranks (None: every rank, i.e. no other
+        parallelism)."""
         dims = getattr(self, "_parallel_dims", None)
-        if dims is None or not comm.is_distributed() or dims.dp_size == dims.world_size:
+        if dims is None or not comm.is_distributed() or dims.dp_size * dims.cp == dims.world_size:
             return None
-        return dims.get_mesh("dp").get_group()
+        # With context parallel the cp ranks hold different tokens of the same samples: losses,
+        # metrics and MoE loads are averaged / summed over them too.
+        return dims.get_mesh("dp_cp" if dims.cp > 1 else "dp").get_group()
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:

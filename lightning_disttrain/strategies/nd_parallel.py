@@ -43,6 +43,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_disttrain import _lightning_compat as compat
+from lightning_disttrain.models.context_parallel import check_length
 from lightning_disttrain.parallel.fsdp import (
     install_mesh_aware_clipping,
     mp_policy_for_precision,
@@ -50,6 +51,7 @@ from lightning_disttrain.parallel.fsdp import (
 from lightning_disttrain.parallel.mesh import ParallelDims
 from lightning_disttrain.parallel.pipeline import PipelineOptions
 from lightning_disttrain.parallel.recipe import (
+    CPSettings,
     EPSettings,
     FSDPSettings,
     Host,
@@ -64,15 +66,13 @@ from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_as
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
 from lightning_disttrain.strategies.collectives import CollectivesMixin
+from lightning_disttrain.strategies.context_steps import ContextStepMixin
 from lightning_disttrain.strategies.initial_weights import InitialWeightsMixin
 from lightning_disttrain.strategies.pipeline_steps import PipelineStepMixin
 from lightning_disttrain.strategies.steps import StepMixin
 
-# Degrees whose transforms exist. The EP / CP issues add theirs here.
-_SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
 
-
-class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWeightsMixin,
+class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, CollectivesMixin, InitialWeightsMixin,
                       compat.SubprocessLauncherStrategy, ParallelStrategy):
     """Everything of ``NDParallelStrategy`` but checkpointing. A base class rather than the class
     itself so that ``DCPCheckpointMixin`` sits above these methods in the MRO: its ``teardown``
@@ -113,13 +113,12 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "ep": ep, "cp": cp}
-        for name, value in self._degrees.items():
-            if value != 1 and name not in _SUPPORTED_DEGREES:
-                raise ValueError(
-                    f"{type(self).__name__}({name}={value}) is not supported yet: only "
-                    f"{' / '.join(_SUPPORTED_DEGREES)} (FSDP2 / HSDP, tensor, pipeline and expert parallel) are implemented "
-                    f"so far; "
-                    f"set {name}=1")
+        for name, value in self._degrees.items():  # the world size is checked once it is known
+            if not isinstance(value, int) or isinstance(value, bool) or not (value >= 1 or (name == "dp_shard"
+                                                                                           and value == -1)):
+                raise ValueError(f"{type(self).__name__}({name}={value!r}): a parallel degree is an int >= 1"
+                                 f"{' (or -1: the ranks the other degrees leave)' if name == 'dp_shard' else ''}; "
+                                 f"set {name}=1 to leave that dimension out")
         if isinstance(reshard_after_forward, bool) or (isinstance(reshard_after_forward, int)
                                                        and reshard_after_forward > 1):
             self.reshard_after_forward = reshard_after_forward
@@ -213,7 +212,7 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
                              f"sharded gradients); use precision='bf16-mixed', or '16-true' without loss scaling")
         dims = self._make_parallel_dims(self.world_size)
         if dims.ep_enabled:
-            others = {name: getattr(dims, name) for name in ("tp", "pp", "dp_replicate") if getattr(dims, name) > 1}
+            others = {name: getattr(dims, name) for name in ("tp", "pp", "dp_replicate", "cp") if getattr(dims, name) > 1}
             if others:
                 raise ValueError(f"ep={dims.ep} with {', '.join(f'{k}={v}' for k, v in others.items())} is not supported "
                                  f"yet: expert parallel composes with FSDP2 (dp_shard) only so far; set "
@@ -241,6 +240,8 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         if dims.pp_enabled and module is not None:
             self._validate_pipeline_early(module, config)
         seq_len = getattr(getattr(compat.trainer_of(module), "datamodule", None), "seq_len", None)
+        if dims.cp > 1 and isinstance(seq_len, int):
+            check_length(seq_len, dims.cp)  # before any process group: the data module's sequences
         if dims.tp_enabled and self.tp_options.sequence_parallel and isinstance(seq_len, int) and seq_len % dims.tp:
             raise ValueError(f"sequence parallel splits each sequence across tp={dims.tp} ranks, but the data "
                              f"module's seq_len={seq_len} is not divisible by {dims.tp}: use seq_len="
@@ -326,8 +327,8 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         # stays plain, and FSDP would only copy them in and out (about a tenth of the step:
         # docs/benchmarks.md, section 11).
         mp_policy = self.mp_policy or mp_policy_for_precision(ctx.precision)
-        no_fsdp = (dims.pp_enabled and not dims.tp_enabled and dims.dp_size == 1 and not self.cpu_offload
-                   and mp_policy == MixedPrecisionPolicy())
+        no_fsdp = (dims.pp_enabled and not dims.tp_enabled and dims.dp_size == 1 and dims.cp == 1
+                   and not self.cpu_offload and mp_policy == MixedPrecisionPolicy())
         fsdp = None if no_fsdp else FSDPSettings(
             mesh=dims.get_mesh("fsdp"), mp_policy=mp_policy,
             # Under pp the schedule runs many micro-batches' forwards before their backwards: the
@@ -337,12 +338,13 @@ class _NDParallelBase(PipelineStepMixin, StepMixin, CollectivesMixin, InitialWei
         tp = TPSettings(dims.get_mesh("tp"), self.tp_options) if dims.tp_enabled else None
         ep = EPSettings(dims.get_mesh("ep"), dims.get_mesh("efsdp"), grad_divide_factor=dims.fsdp_size) \
             if dims.ep_enabled else None
+        cp = CPSettings(dims.get_mesh("cp")) if dims.cp > 1 else None
         host = Host(convert_precision=self.precision_plugin.convert_module,
                     split_pipeline=self._pipeline_settings if dims.pp_enabled else None,
                     materialize=self._materialize, sync_initial_weights=self._sync_initial_weights,
                     to_device=self.model_to_device)
         done = parallelize(module, ctx, self.transforms, host=host, compile_options=self.compile_options,
-                           tp=tp, ep=ep, fsdp=fsdp)
+                           tp=tp, ep=ep, cp=cp, fsdp=fsdp)
         if done.self_sharded:
             rank_zero_info(f"{type(module).__name__} parallelized itself in configure_model ("
                            f"{'fully_shard' if done.self_sharded == 'fsdp' else 'parallelize_module'}): "

@@ -1,4 +1,4 @@
-"""The shipped parallel configs (configs/{tensor,pipeline,expert}-parallel.yaml) as a user runs
+"""The shipped parallel configs (configs/{tensor,pipeline,expert,context}-parallel.yaml) as a user runs
 them with ``lightning-disttrain fit --config``, shortened (4 steps, validation at step 4, 40
 documents), through ``DistTrainCLI`` inside the suite's shared 2-rank launch: ``fit_run(CONFIG,
 DEVICES)``. Every path of the config is moved under the launch's directory; rank 0 reports what

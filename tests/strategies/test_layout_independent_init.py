@@ -70,8 +70,9 @@ def _check(ranks: list[dict], run: str) -> None:
     assert all(r["steps"] == worker.STEPS for r in ranks)
     if r0["precision"] != "32-true":
         return  # mixed precision: the weights are the check; losses differ from fp32 by design
-    # Each data-parallel rank's micro-batch losses, averaged: the global batch's loss per step.
-    by_dp = {r["dp_rank"]: r["losses"] for r in ranks}
+    # Each data-parallel (and context-parallel: each holds a shard of every sequence, the same
+    # number of tokens) rank's micro-batch losses, averaged: the global batch's loss per step.
+    by_dp = {(r["dp_rank"], r["cp_rank"]): r["losses"] for r in ranks}
     steps = [sum(by_dp[d][i] for d in by_dp) / len(by_dp) for i in range(worker.STEPS)]
     eager = _eager_losses(r0["preset"], r0["overrides"])
     assert max(abs(a - b) for a, b in zip(steps, eager)) < TOL, (run, steps, eager)

@@ -13,9 +13,12 @@ def trainer(strategy, devices=2, num_nodes=1):
                      logger=False, enable_progress_bar=False, enable_checkpointing=False)
 
 
-def test_unsupported_degrees_fail_at_construction():
-    with pytest.raises(ValueError, match=r"cp=2\) is not supported yet.*set cp=1"):
-        NDParallelStrategy(cp=2)
+def test_a_degree_that_is_not_a_positive_int_fails_at_construction():
+    with pytest.raises(ValueError, match=r"NDParallelStrategy\(cp=0\): a parallel degree is an int >= 1; set cp=1"):
+        NDParallelStrategy(cp=0)
+    with pytest.raises(ValueError, match=r"dp_shard=-2.*or -1"):
+        NDParallelStrategy(dp_shard=-2)
+    NDParallelStrategy(cp=2, tp=2, dp_shard=-1)  # every degree is implemented
 
 
 @pytest.mark.parametrize("other, devices", [({"tp": 2}, 4), ({"pp": 2}, 4), ({"dp_replicate": 2}, 4)])

@@ -1,0 +1,153 @@
+"""Context parallel for attention: each rank of a ``cp`` group holds a shard of every sequence.
+
+Load balance for causal attention: the sequence is cut into ``2 * cp`` chunks and rank ``r`` holds
+chunks ``r`` and ``2*cp - 1 - r`` (a head chunk and its mirror from the tail), so every rank's
+queries see the same number of keys in total (the work of a causal mask is a triangle; a head
+chunk's cheap rows pair with a tail chunk's expensive ones).
+
+Attention over the whole sequence: each rank all-gathers the keys and values of its cp group (in
+group-rank order, through ``comm.all_gather_autograd``, whose backward reduce-scatters their
+gradients) and puts them in sequence order; each of its two query chunks then attends the prefix
+of keys up to and including its own chunk under a lower-right causal mask (``ContextParallel.
+attention``). It works with every SDPA backend, CPU included; with grouped-query attention the
+gathered K/V are ``n_kv_head / n_head`` the size of the queries.
+Positions (learned embeddings, RoPE) are the global positions of the rank's tokens.
+
+Plain torch and ``comm``: a model opts in by giving its position-dependent modules a
+``context_parallel`` attribute (None: off), which the strategy sets to a :class:`ContextParallel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_disttrain import comm
+
+
+@dataclass(frozen=True, eq=False)
+class ContextParallel:
+    """This rank's place in its context-parallel group."""
+
+    group: Any
+    """The cp ranks: a process group or a 1-D ``DeviceMesh``."""
+    rank: int
+    size: int
+
+    def full_length(self, local_len: int) -> int:
+        return local_len * self.size
+
+    def local_positions(self, local_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The global positions of this rank's ``local_len`` tokens."""
+        return local_positions(self.full_length(local_len), self.rank, self.size, device)
+
+    def gathered_positions(self, local_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The global positions of the group's tokens in gathered (group-rank) order."""
+        full = self.full_length(local_len)
+        return torch.cat([local_positions(full, r, self.size, device) for r in range(self.size)])
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The group's shards of ``t`` concatenated along ``dim`` (gathered order), differentiably."""
+        return comm.all_gather_autograd(t, dim, self.group)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        """Causal attention of this rank's queries (B, H, T_local, D) over the whole sequence.
+
+        Keys and values are gathered and put in sequence order; each of the rank's two chunks
+        (global chunk c, length L) then attends the prefix of ``(c + 1) * L`` keys under a
+        lower-right causal mask (``causal_lower_right``: SDPA's flash / efficient kernels take it
+        without materialising a mask on GPUs; on the CPU it is materialised per chunk)."""
+        local = q.size(2)
+        chunk = local // 2
+        order = torch.argsort(self.gathered_positions(local, q.device))
+        k = self.gather(k, dim=2).index_select(2, order)
+        v = self.gather(v, dim=2).index_select(2, order)
+        out = []
+        for i, c in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            visible = (c + 1) * chunk
+            out.append(F.scaled_dot_product_attention(
+                q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :visible], v[:, :, :visible],
+                attn_mask=lower_right_causal(chunk, visible, q.device), dropout_p=dropout_p, enable_gqa=enable_gqa))
+        return torch.cat(out, dim=2)
+
+    def prepare(self, local_len: int) -> None:
+        """Build this rank's two causal biases for ``local_len`` tokens ahead of the forward (the
+        strategy calls it per batch): built inside a dispatch mode (selective activation
+        checkpointing, ``activation_bytes``) ``CausalBias`` cannot be constructed."""
+        chunk = local_len // 2
+        for c in (self.rank, 2 * self.size - 1 - self.rank):
+            lower_right_causal(chunk, (c + 1) * chunk, "cpu")
+
+
+_BIASES: dict[tuple[int, int], Any] = {}
+
+
+def lower_right_causal(rows: int, cols: int, device: torch.device | str) -> Any:
+    """The attention mask "key j visible to query i iff j <= i + cols - rows": torch's
+    ``CausalBias`` (the GPU kernels apply it without a mask tensor), cached by shape; where it
+    cannot be built (inside a dispatch mode, before ``prepare``) the same mask as booleans."""
+    bias = _BIASES.get((rows, cols))
+    if bias is None:
+        from torch.nn.attention.bias import causal_lower_right
+
+        try:
+            bias = _BIASES[(rows, cols)] = causal_lower_right(rows, cols)
+        except RuntimeError:  # "Creating a new Tensor subclass CausalBias ..." under a dispatch mode
+            return torch.ones(rows, cols, dtype=torch.bool, device=device).tril(cols - rows)
+    return bias
+
+
+def check_length(seq_len: int, size: int) -> None:
+    if seq_len % (2 * size):
+        raise ValueError(f"context parallel cp={size} cuts each sequence into 2 x cp = {2 * size} equal chunks, but "
+                         f"the sequence length {seq_len} is not divisible by {2 * size}: use seq_len="
+                         f"{seq_len + (-seq_len) % (2 * size)} (or a multiple of {2 * size}), or a smaller cp")
+
+
+def local_positions(seq_len: int, rank: int, size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Positions held by ``rank`` of ``size`` in a sequence of ``seq_len``: chunk ``rank`` and
+    chunk ``2*size - 1 - rank`` of ``2*size`` equal chunks."""
+    check_length(seq_len, size)
+    chunk = seq_len // (2 * size)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    tail = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([head, tail])
+
+
+def shard_sequence(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's tokens of ``t`` along ``dim`` (a copy, contiguous)."""
+    index = local_positions(t.size(dim), rank, size, t.device)
+    return t.index_select(dim, index)
+
+
+def attention_work(seq_len: int, rank: int, size: int) -> int:
+    """(query, key) pairs a causal mask lets ``rank`` compute: the load-balance measure."""
+    q = local_positions(seq_len, rank, size)
+    return int((q + 1).sum())
+
+
+def attention_pairs_computed(seq_len: int, rank: int, size: int) -> int:
+    """(query, key) pairs ``ContextParallel.attention`` hands SDPA on ``rank``: each chunk c of
+    length L against its prefix of (c + 1) * L keys (the kernels' work, masked pairs included)."""
+    chunk = seq_len // (2 * size)
+    return sum(chunk * (c + 1) * chunk for c in (rank, 2 * size - 1 - rank))
+
+
+@contextmanager
+def whole_sequences(module: torch.nn.Module) -> Iterator[None]:
+    """Run ``module`` on whole sequences on every rank (context parallel off), e.g. to generate:
+    every rank then computes the same thing, as with cp=1; restored on exit."""
+    saved = [(m, m.context_parallel) for m in module.modules() if getattr(m, "context_parallel", None) is not None]
+    for m, _ in saved:
+        m.context_parallel = None
+    try:
+        yield
+    finally:
+        for m, cp in saved:
+            m.context_parallel = cp

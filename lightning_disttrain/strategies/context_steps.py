@@ -1,0 +1,88 @@
+"""Context parallel, the step side: each rank of a ``cp`` group trains on its load-balanced shard
+of every sequence of the batch (``models.context_parallel``); mixed first into
+``NDParallelStrategy`` so that the pipeline and plain steps both receive the shard.
+
+The cp ranks of one data-parallel replica load the same samples (the sampler is over the ``dp``
+ranks); here each keeps its chunks of dimension 1 (the sequence) of every tensor of the batch. The
+loss a rank computes is the mean over its tokens, and every rank holds the same number of tokens,
+so averaging over the data-parallel and cp ranks (FSDP's gradient reduction over ``dp_shard x cp``,
+the logged loss over ``dp_cp``) is the mean over the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_disttrain.models.context_parallel import check_length, shard_sequence
+
+
+class ContextStepMixin:
+    """Shards each batch's sequences before the step when cp > 1."""
+
+    @property
+    def context_parallel_size(self) -> int:
+        dims = getattr(self, "_parallel_dims", None)
+        return dims.cp if dims is not None else 1
+
+    def _shard_batch(self, batch: Any) -> Any:
+        dims = self.parallel_dims  # type: ignore[attr-defined]
+        rank, size = dims.get_mesh("cp").get_local_rank(), dims.cp
+        lengths: set[int] = set()
+
+        def shard(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                lengths.add(value.size(1))
+                check_length(value.size(1), size)
+                return shard_sequence(value, 1, rank, size)
+            if isinstance(value, list):
+                return [shard(v) for v in value]
+            if isinstance(value, tuple):  # a named tuple is rebuilt from its fields in order
+                items = [shard(v) for v in value]
+                return tuple(items) if type(value) is tuple else type(value)(*items)
+            if isinstance(value, dict):
+                return {k: shard(v) for k, v in value.items()}
+            return value
+
+        out = shard(batch)
+        if lengths and len(lengths) == 1:
+            self._prepare_attention(next(iter(lengths)) // size)
+        if not lengths:
+            raise ValueError(f"cp={size} shards each batch along its sequence dimension (dim 1 of every tensor of at "
+                             f"least 2 dimensions), but this batch ({type(batch).__name__}) has none: give the "
+                             f"model (batch, sequence, ...) tensors, or use cp=1")
+        if len(lengths) > 1:
+            raise ValueError(f"cp={size}: the batch's tensors have different sequence lengths {sorted(lengths)} in "
+                             f"dimension 1; context parallel shards them all the same way, so they must agree")
+        return out
+
+    def _prepare_attention(self, local_len: int) -> None:
+        module = getattr(self, "lightning_module", None)
+        for m in module.modules() if module is not None else ():
+            cp = getattr(m, "context_parallel", None)
+            if cp is not None:
+                cp.prepare(local_len)
+                return  # the same biases for every layer
+
+    def _sharded(self, args: tuple) -> tuple:
+        if self.context_parallel_size == 1 or not args:
+            return args
+        return (self._shard_batch(args[0]), *args[1:])
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().training_step(*self._sharded(args), **kwargs)  # type: ignore[misc]
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().validation_step(*self._sharded(args), **kwargs)  # type: ignore[misc]
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().test_step(*self._sharded(args), **kwargs)  # type: ignore[misc]
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().predict_step(*self._sharded(args), **kwargs)  # type: ignore[misc]

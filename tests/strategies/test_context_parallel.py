@@ -1,0 +1,166 @@
+"""Context parallel (issue 25): a GPT with RoPE and grouped-query attention trained with its
+sequences sharded over cp ranks matches one process (``cp_worker.py``), alone and composed with
+FSDP2, TP (+ sequence and loss parallel), PP, selective activation checkpointing and compile;
+resume and resharding from its checkpoints; load balance; bad input refused with the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cp_worker as worker
+from dist_utils import in_this_process
+from lightning_disttrain.models.context_parallel import (
+    ContextParallel,
+    attention_pairs_computed,
+    attention_work,
+    check_length,
+    local_positions,
+    shard_sequence,
+)
+
+WORKER = "cp_worker"
+LAUNCH = {2: ["cp2", "cp2_sac", "cp2_learned", "cp2_compile", "resume", "reshard"],
+          4: ["cp4", "cp2_dp2", "cp2_tp2", "cp2_pp2"]}
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def single():
+    return in_this_process(lambda: {run: worker.fit_run(run, 1) for run in ("single", "single_learned")})
+
+
+def _matches(ranks, reference):
+    assert len(reference) == worker.base.STEPS
+    for r in ranks:
+        assert r["losses"] == pytest.approx(reference, abs=TOL)
+
+
+@pytest.mark.parametrize("run", ["cp2", "cp2_sac", "cp2_compile"])
+def test_cp2_matches_one_process(two, single, run):
+    _matches(two[run], single["single"]["losses"])
+    assert two[run][0]["steps"][0].startswith("context_parallel: cp=2")
+
+
+def test_cp2_with_learned_positions_matches_one_process(two, single):
+    _matches(two["cp2_learned"], single["single_learned"]["losses"])
+
+
+@pytest.mark.parametrize("run", ["cp4", "cp2_dp2", "cp2_tp2", "cp2_pp2"])
+def test_cp_composed_on_four_ranks_matches_one_process(four, single, run):
+    _matches(four[run], single["single"]["losses"])
+
+
+def test_each_cp_rank_holds_its_load_balanced_chunks(two, four):
+    assert [r["shard"] for r in two["cp2"]] == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    assert [r["shard"] for r in four["cp4"]] == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    # the cp ranks of a replica read the same samples; tokens are counted once, whole
+    assert {str(r["sampler"]) for r in four["cp2_dp2"]} == {str({"num_replicas": 2, "rank": 0}),
+                                                            str({"num_replicas": 2, "rank": 1})}
+    assert two["cp2"][0]["tokens_seen"] == worker.base.STEPS * worker.base.GLOBAL_BATCH * worker.base.SEQ
+
+
+def test_resume_and_reshard_from_a_cp2_checkpoint(two, single):
+    after = single["single"]["losses"][4:]
+    for r in two["resume"]:  # cp=2 -> cp=2
+        assert r["resumed"] == pytest.approx(after, abs=TOL)
+    for r in two["reshard"]:  # cp=2 -> dp=2 (cp=1) on the same ranks
+        assert r["resumed"] == pytest.approx(after, abs=TOL)
+
+
+# ---- single process ---------------------------------------------------------------------------------
+
+
+def test_causal_work_is_balanced_across_cp_ranks():
+    for seq_len, size in [(4096, 2), (4096, 4), (8192, 8), (32, 4)]:
+        work = [attention_work(seq_len, r, size) for r in range(size)]
+        assert max(work) / min(work) <= 1.05, work
+        # what the kernels are handed (each chunk against its key prefix): exactly equal
+        assert len({attention_pairs_computed(seq_len, r, size) for r in range(size)}) == 1
+    # a contiguous split would not be: the last rank computes 2*size-1 times the first's work
+    contiguous = [sum(p + 1 for p in range(r * 1024, (r + 1) * 1024)) for r in range(4)]
+    assert max(contiguous) / min(contiguous) > 5
+
+
+def test_shards_are_a_partition():
+    seq = torch.arange(24).view(1, -1)
+    parts = [shard_sequence(seq, 1, r, 3) for r in range(3)]
+    assert sorted(torch.cat(parts, 1).view(-1).tolist()) == list(range(24))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_sharded_attention_equals_full_causal_attention_with_gqa(size, monkeypatch):
+    # Each rank's queries against the gathered keys give the full causal attention at its positions,
+    # forward and backward (a process group's all-gather is the concatenation in rank order).
+    torch.manual_seed(0)
+    T, F = 8 * size, torch.nn.functional
+    q = torch.randn(2, 4, T, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, T, 8, requires_grad=True) for _ in range(2))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    full_grads = torch.autograd.grad(full.square().sum(), (q, k, v))
+    order = torch.cat([local_positions(T, r, size) for r in range(size)])  # gathered order
+    qs = [shard_sequence(q.detach(), 2, r, size).requires_grad_() for r in range(size)]
+    ks, vs = (t.detach()[:, :, order].requires_grad_() for t in (k, v))  # what the gather returns
+    local, total = T // size, 0
+    for r in range(size):
+        cp = ContextParallel(group=None, rank=r, size=size)
+        gathered = iter([ks, vs])
+        monkeypatch.setattr(ContextParallel, "gather", lambda self, t, dim: next(gathered))
+        out = cp.attention(qs[r], ks[:, :, r * local:(r + 1) * local], vs[:, :, r * local:(r + 1) * local],
+                           enable_gqa=True)
+        assert torch.allclose(out, shard_sequence(full.detach(), 2, r, size), atol=1e-6)
+        total = total + out.square().sum()
+    grads = torch.autograd.grad(total, [*qs, ks, vs])
+    for r in range(size):
+        assert torch.allclose(grads[r], shard_sequence(full_grads[0], 2, r, size), atol=1e-5)
+    assert torch.allclose(grads[size], full_grads[1][:, :, order], atol=1e-5)
+    assert torch.allclose(grads[size + 1], full_grads[2][:, :, order], atol=1e-5)
+
+
+def test_a_sequence_not_divisible_by_2cp_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"not divisible by 4: use seq_len=20"):
+        check_length(18, 2)
+
+
+def test_a_batch_without_a_sequence_dimension_is_refused():
+    from lightning_disttrain.parallel.mesh import ParallelDims
+    from lightning_disttrain.strategies import NDParallelStrategy
+
+    s = NDParallelStrategy(cp=2, dp_shard=1)
+    s._parallel_dims = ParallelDims(cp=2, dp_shard=1, world_size=2)
+
+    class Mesh:  # the cp rank, without a process group
+        def get_local_rank(self):
+            return 0
+
+    s._parallel_dims._meshes = {"cp": Mesh()}
+    with pytest.raises(ValueError, match="has none: give the model"):
+        s._shard_batch({"ids": torch.arange(4), "label": 3})
+    with pytest.raises(ValueError, match="different sequence lengths"):
+        s._shard_batch((torch.zeros(2, 8), torch.zeros(2, 12)))
+    x, y = s._shard_batch((torch.arange(8).view(1, 8), torch.arange(8).view(1, 8)))
+    assert x.view(-1).tolist() == [0, 1, 6, 7]
+
+
+def test_a_model_whose_attention_cannot_be_sharded_is_refused():
+    from lightning_disttrain.parallel.context import apply_context_parallel
+
+    class Mesh:
+        def get_local_rank(self):
+            return 0
+
+        def size(self):
+            return 2
+
+    with pytest.raises(ValueError, match="has no module with a `context_parallel` attribute"):
+        apply_context_parallel(torch.nn.Sequential(torch.nn.Linear(2, 2)), Mesh())
+
+
+def test_cp_with_expert_parallel_is_refused_before_any_process_group():
+    from lightning_disttrain.parallel.mesh import ParallelDims
+    from lightning_disttrain.strategies import NDParallelStrategy
+
+    s = NDParallelStrategy(cp=2, ep=2)
+    s._make_parallel_dims = lambda world_size: ParallelDims(cp=2, ep=2, world_size=4)
+    with pytest.raises(ValueError, match=r"ep=2 with cp=2 is not supported yet"):
+        s.set_world_ranks()
