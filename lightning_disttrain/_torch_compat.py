@@ -552,10 +552,13 @@ def torch_nn_reset_parameters(module: torch.nn.Module) -> Callable[[], None] | N
 
 def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     """Give an optimizer that does not run ``Optimizer.__init__`` the hook dicts torch's
-    ``step``/``state_dict``/``load_state_dict`` wrappers read (empty)."""
+    ``step``/``state_dict``/``load_state_dict`` wrappers read (empty ``OrderedDict``s, as torch
+    makes them: ``register_*_hook`` keeps a weak reference to the dict, which a plain dict refuses)."""
+    from collections import OrderedDict
+
     _get("torch.optim.Optimizer._optimizer_*_hooks")
     for name in OPTIMIZER_HOOK_DICTS:
-        setattr(optimizer, name, {})
+        setattr(optimizer, name, OrderedDict())
 
 
 _STYLE_BASE: list[type] = []

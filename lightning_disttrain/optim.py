@@ -48,6 +48,7 @@ class HybridOptimizer(Optimizer):
             merged.update(opt.state)
         return merged
 
+    @Optimizer.profile_hook_step  # step pre/post hooks (global and registered) run, as for torch's optimizers
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         loss = None
@@ -64,6 +65,13 @@ class HybridOptimizer(Optimizer):
 
     def state_dict(self) -> dict:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def _no_state_dict_hooks(self, *args, **kwargs):
+        raise NotImplementedError("HybridOptimizer's state_dict nests its parts' own; register state_dict hooks on "
+                                  "the parts (HybridOptimizer.optimizers), each a torch optimizer")
+
+    register_state_dict_pre_hook = register_state_dict_post_hook = _no_state_dict_hooks
+    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _no_state_dict_hooks
 
     def load_state_dict(self, state_dict: dict) -> None:
         parts = state_dict["optimizers"]

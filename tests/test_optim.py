@@ -73,3 +73,22 @@ def test_muon_hybrid_split_and_state_round_trip():
 def test_unknown_optimizer():
     with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
         build_optimizer(_model(), "sgd")
+
+
+def test_hybrid_optimizer_takes_step_and_state_dict_hooks():
+    # Its hook dicts are the OrderedDicts torch's Optimizer makes: registering a hook used to fail
+    # with "cannot create weak reference to 'dict'" (register_* keeps a weak reference to the dict).
+    import torch
+
+    from lightning_disttrain.optim import HybridOptimizer
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = HybridOptimizer([torch.optim.SGD([p], lr=0.5)])
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    p.grad = torch.ones(2)
+    opt.step()
+    assert calls == ["pre", "post"] and p.tolist() == [0.5, 0.5]
+    with pytest.raises(NotImplementedError, match="register state_dict hooks on the parts"):
+        opt.register_state_dict_post_hook(lambda o, sd: None)
