@@ -8,7 +8,7 @@
 #   gpu_layouts.py  (only with 2+ GPUs; gets min(LDT_GPU_LAYOUTS_BUDGET=170 s, budget - 170 s)): every
 #                   multi-rank layout with torchrun against a one-GPU run of the same model, seed and
 #                   data: tp_setup [2] and offload_clip [2] (no-crash checks: both crashed on NCCL),
-#                   tp [2], pp [2], ep [2], hsdp [4], float8_tp [2], async_tp [2] (cp when it exists):
+#                   tp [2], pp [2], ep [2], hsdp [4], float8_tp [2], async_tp [2], cp [2]:
 #                   loss parity, gathered initial weights vs the eager one-GPU build, the layout
 #                   applied; "skipped: <layout> needs N GPUs (have M)" for the others (see its
 #                   docstring); $OUT/gpu_layouts.json. On one GPU it only prints the skips.
