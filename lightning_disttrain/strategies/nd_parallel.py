@@ -322,13 +322,14 @@ class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, Collective
         ctx = TransformContext(device=self.root_device, mesh=self.device_mesh, dims=dims,
                                precision=None if precision is None else str(precision))
         # FSDP runs also over one data-parallel rank: every parameter is then a DTensor, as the
-        # optimizers' foreach kernels need (TP alone leaves some parameters plain). Pipeline stages
-        # without TP on one data-parallel rank in full precision are the exception: every parameter
-        # stays plain, and FSDP would only copy them in and out (about a tenth of the step:
-        # docs/benchmarks.md, section 11).
+        # optimizers' foreach kernels need (TP alone leaves some parameters plain). One process, and
+        # pipeline stages without TP on one data-parallel rank, in full precision are the exception:
+        # every parameter stays plain, and FSDP would only copy them in and out (about a tenth of
+        # the step under pp: docs/benchmarks.md, section 11; 14 ms of 64 ms per step for a 4-layer,
+        # 128-wide GPT on one CPU process: section 18).
         mp_policy = self.mp_policy or mp_policy_for_precision(ctx.precision)
-        no_fsdp = (dims.pp_enabled and not dims.tp_enabled and dims.dp_size == 1 and dims.cp == 1
-                   and not self.cpu_offload and mp_policy == MixedPrecisionPolicy())
+        no_fsdp = ((dims.pp_enabled or dims.world_size == 1) and not dims.tp_enabled and dims.dp_size == 1
+                   and dims.cp == 1 and not self.cpu_offload and mp_policy == MixedPrecisionPolicy())
         fsdp = None if no_fsdp else FSDPSettings(
             mesh=dims.get_mesh("fsdp"), mp_policy=mp_policy,
             # Under pp the schedule runs many micro-batches' forwards before their backwards: the
@@ -351,7 +352,8 @@ class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, Collective
                            f"{type(self).__name__} keeps that and skips its own TP"
                            f"{'/FSDP' if done.self_sharded == 'fsdp' else ', then shards it with FSDP2'}")
         elif no_fsdp:
-            done.steps.append("no fsdp (one data-parallel rank, full precision: nothing to shard)")
+            done.steps.append("no fsdp (one data-parallel rank, full precision: nothing to shard)"
+                              if dims.pp_enabled else "no fsdp (one process, full precision: nothing to shard)")
         self.parallelized_steps = done.steps
         self._self_parallelized = done.self_sharded
         self._root_is_lightning_module = (done.fsdp_root is module if done.fsdp_root is not None
