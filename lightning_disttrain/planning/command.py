@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from lightning_disttrain.peak_flops import CHIPS
-from lightning_disttrain.planning.config_yaml import write_config
+from lightning_disttrain.planning.config_yaml import find_candidate, write_config
 from lightning_disttrain.planning.memory import DEFAULT_MARGIN
 from lightning_disttrain.planning.model_shape import config_for, model_names, shape_of
 from lightning_disttrain.planning.planner import Money, make_plan
@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     o.add_argument("--write-config", metavar="YAML", help="write a LightningCLI YAML for the recommendation")
+    o.add_argument("--layout", metavar="NAME", help="with --write-config: write this layout of the table instead "
+                   "of the recommendation (its name as printed, e.g. 'FSDP2 x8 + TP 2')")
     return p
 
 
@@ -104,9 +106,12 @@ def plan_main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--margin {args.margin} must be in [0, 1)")
         plan = make_plan(shape, workload, cluster, money, args.mfu, args.margin)
         written = None
+        if args.layout and not args.write_config:
+            raise ValueError("--layout names the layout --write-config writes: add --write-config YAML")
         if args.write_config:
             command = "lightning-disttrain plan " + shlex.join(sys.argv[2:] if argv is None else argv)
-            written = write_config(args.write_config, plan, name, overrides, command)
+            candidate = find_candidate(plan, args.layout) if args.layout else None
+            written = write_config(args.write_config, plan, name, overrides, command, candidate)
     except ValueError as err:
         print(f"error: plan: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -117,6 +122,6 @@ def plan_main(argv: list[str] | None = None) -> None:
         print_plan(plan)
         if written:
             print(f"wrote {written}")
-    if plan.chosen is None:
+    if plan.chosen is None and not written:
         print(f"error: plan: {plan.reason}", file=sys.stderr)
         raise SystemExit(1)

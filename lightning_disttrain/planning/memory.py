@@ -14,30 +14,41 @@ pipeline parallel divide the parameters a rank holds first (blocks by tp and pp;
 head by tp and sit on the first / last stage); expert parallel divides the routed experts by ep,
 which then shard over ``dp_shard / ep`` ranks.
 
-Activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", table 2; 16-bit activations, 1-byte dropout masks)::
+Activations: what this package's GPT keeps for backward, per token and block, from its
+``GPTConfig`` fields and the checkpointing policy (``planning/activations.py``, checked to the byte
+against ``parallel.activation.activation_bytes`` on CPU), times the tokens of one micro-batch, times
+the blocks of the rank's stage, times the micro-batch forwards the rank holds at once: 1 without a
+pipeline; with one, as many as the strategy's schedule holds (``planning/pipeline.py``: GPipe all m,
+1F1B min(m, p - r) on rank r, interleaved as torch's schedule orders them). The peak is the larger
+of the forward's end (all of that, the head, the logits) and, with checkpointing, the backward of
+a recomputed block (``activations.backward_peak``: the blocks before it, all it recomputes, the
+gradients in flight; the logits are gone by then). The most loaded pipeline rank is the estimate. Megatron's per-layer form (Korthikanti et al. 2022, table 2), for
+comparison, is ``activation_bytes_per_layer``::
 
     s*b*h * (10 + 24/t + 5*a*s/(h*t))    tensor parallel t          (t=1: 34 + 5as/h)
     s*b*h * (34/t + 5*a*s/(h*t))         + sequence parallel
-    s*b*h * (10 + 24/t)                  + selective recompute, or FlashAttention: the attention
-                                           scores (the 5as/h term) are never stored
-    s*b*h * 34/t                         sequence parallel + selective / FlashAttention
+    s*b*h * (10 + 24/t)                  + selective recompute, or FlashAttention
     s*b*h * 2                            full recompute: each block's input only (/t with SP)
 
-times L layers (a 1F1B pipeline's first stage holds p micro-batches of L/p layers: L again), and
-times act_bytes/2 for 32-bit activations. Full recompute adds one block's stored activations: the
-working set while that block is recomputed in backward. The example s=8192, b=1, h=4096, L=32,
-a=32, t=1 gives 380 GB.
+(the example s=8192, b=1, h=4096, L=32, a=32, t=1 gives 380 GB). It fits GPT-2-style blocks with
+dropout; for SwiGLU, grouped-query attention, MoE and this package's selective policy (which keeps
+matmul outputs and recomputes the rest) the derived terms differ by 20-30%.
 
 Logits: s*b*V/t elements (the head is vocabulary-parallel under tp, with loss parallel), each
 10 B in 16-bit training (bf16 logits 2 + the fp32 copy the cross-entropy reads 4 + its fp32
-gradient 4) and 12 B in fp32 (logits, log-softmax output, gradient).
+gradient 4) and 12 B in fp32 (logits, log-softmax output, gradient); a pipeline's last stage holding
+n micro-batches' logits (GPipe) keeps n x (10 - 4) or n x (12 - 4) B and one gradient.
 
 Buffers, stated: FSDP2 (ZeRO-3) holds the root unit (embedding, head, final norm) and two blocks
 all-gathered at a time (the current one and the prefetched next) at the compute dtype, plus one
-block's unsharded fp32 gradient for the reduce-scatter; ZeRO-1/2 and DDP the gradient buckets
-(2 x 25 MB, DDP's default bucket); on a GPU a fixed 2 GB for the CUDA context, cuBLAS workspaces
-and NCCL's channel buffers. A layout fits when the total is within ``1 - margin`` of the
+block's unsharded fp32 gradient for the reduce-scatter; under a pipeline the strategy keeps every
+parameter of the stage gathered from forward to backward (``reshard_after_forward=False``), and
+with gradient accumulation their unsharded gradients too, and it runs no FSDP at all for pipeline
+stages without tp on one data-parallel rank in fp32 (nothing to shard: no buffers); a pipeline
+stage also keeps, from its first step on, a receive buffer per micro-batch for its input (all but the
+first stage) and for its output's gradient (all but the last) (torch's ``PipelineStage``); ZeRO-1/2 and
+DDP the gradient buckets (2 x 25 MB, DDP's default bucket); on a GPU a fixed 2 GB for the CUDA
+context, cuBLAS workspaces and NCCL's channel buffers. A layout fits when the total is within ``1 - margin`` of the
 device's memory (default margin 10%: the caching allocator's fragmentation).
 """
 
@@ -45,7 +56,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lightning_disttrain.planning.activations import (
+    backward_peak,
+    head_bytes,
+    stage_bytes,
+)
 from lightning_disttrain.planning.model_shape import ModelShape
+from lightning_disttrain.planning.pipeline import RankStages, rank_stages
 from lightning_disttrain.planning.spec import GB, Cluster, Layout, Workload
 
 
@@ -72,6 +89,9 @@ STATE_BYTES: dict[str, StateBytes] = {
 ACTIVATION_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4, "bf16-pure": 2}
 """Bytes per activation element (fp8 runs keep 16-bit activations between layers)."""
 LOGIT_BYTES = {"bf16": 10, "fp8": 10, "fp32": 12, "bf16-pure": 10}
+LOGIT_GRAD_BYTES = 4
+"""Of LOGIT_BYTES, the fp32 gradient: only one micro-batch's at a time when a pipeline's last stage
+holds several micro-batches' logits (GPipe)."""
 DDP_BUCKETS = 2 * 25e6
 GPU_RESERVED = 2 * GB
 DEFAULT_MARGIN = 0.10
@@ -118,6 +138,10 @@ class MemoryEstimate:
     buffers: float
     capacity: float
     margin: float
+    rank: int = 0
+    """The pipeline rank this is (the most loaded one); 0 without a pipeline."""
+    persistent: float = 0.0
+    """Of ``buffers``, what stays allocated between steps (a pipeline stage's receive buffers)."""
 
     @property
     def state(self) -> float:
@@ -141,60 +165,112 @@ class MemoryEstimate:
         return self.headroom >= 0
 
     def as_gb(self) -> dict:
-        out = {k: v / GB for k, v in asdict(self).items() if k != "margin"}
+        out = {k: v / GB for k, v in asdict(self).items() if k not in ("margin", "rank", "persistent")}
         return out | {"state": self.state / GB, "total": self.total / GB, "headroom": self.headroom / GB,
-                      "fits": self.fits, "margin": self.margin}
+                      "fits": self.fits, "margin": self.margin, "pp_rank": self.rank}
+
+
+def _rank_params(shape: ModelShape, layout: Layout, rs: RankStages) -> tuple[float, float]:
+    """(dense, expert) parameters pipeline rank ``rs`` holds before ZeRO sharding: its blocks' and
+    its edge modules' by tp, its routed experts by ep."""
+    layers = rs.all_layers
+    blocks = sum(shape.params_of_layer(i) - shape.experts_of_layer(i) for i in layers)
+    edges = (shape.first_stage_params if rs.first else 0.0) + (shape.last_stage_params if rs.last else 0.0)
+    return (blocks + edges) / layout.tp, sum(shape.experts_of_layer(i) for i in layers) / layout.ep
 
 
 def local_params(shape: ModelShape, layout: Layout) -> tuple[float, float]:
-    """(dense, expert) parameters on the most loaded rank before ZeRO sharding: blocks split by
-    tp and pp, the embedding/head by tp on an edge stage, routed experts by ep."""
-    t, p = layout.tp, layout.pp
-    blocks = shape.dense_params - shape.embedding_params
-    if p > 1 and not shape.tied:
-        edge = shape.embedding_params / 2  # untied: the table on the first stage, the head on the last
-    else:
-        edge = shape.embedding_params
-    dense = blocks / (t * p) + edge / t
-    return dense, shape.expert_params / (p * layout.ep)
+    """(dense, expert) parameters on the most loaded pipeline rank before ZeRO sharding."""
+    shape = shape.untied() if layout.pp > 1 else shape
+    ranks = rank_stages(layout.pipeline, layout.pp, shape.n_layer)
+    return max((_rank_params(shape, layout, rs) for rs in ranks), key=sum)
+
+
+def runs_fsdp(layout: Layout, precision: str) -> bool:
+    """Whether ``NDParallelStrategy`` wraps the model in FSDP2 for ``layout`` (ZeRO >= 1): not for
+    pipeline stages without tp on one data-parallel rank in full precision."""
+    return layout.zero > 0 and not (layout.pp > 1 and layout.tp == 1 and layout.dp == 1 and precision == "fp32")
+
+
+def memory_per_rank(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cluster,
+                    margin: float = DEFAULT_MARGIN, accumulation: int = 1) -> list[MemoryEstimate]:
+    """The memory estimate of every pipeline rank of ``layout`` (one without a pipeline), for
+    ``shape`` trained as ``workload`` on ``cluster``. ``workload.micro_batch`` is the sequences of
+    one forward: under a pipeline, one of its micro-batches."""
+    if layout.pp > 1:
+        shape = shape.untied()  # the strategy's stages need their own head
+    return [_rank_memory(shape, layout, workload, cluster, margin, accumulation, rs)
+            for rs in rank_stages(layout.pipeline, layout.pp, shape.n_layer)]
 
 
 def memory_per_gpu(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cluster,
-                   margin: float = DEFAULT_MARGIN) -> MemoryEstimate:
-    """The memory estimate of ``layout`` for ``shape`` trained as ``workload`` on ``cluster``."""
+                   margin: float = DEFAULT_MARGIN, accumulation: int = 1) -> MemoryEstimate:
+    """The most loaded rank's ``memory_per_rank`` estimate: what must fit."""
+    return max(memory_per_rank(shape, layout, workload, cluster, margin, accumulation), key=lambda m: m.total)
+
+
+def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, margin: float,
+                 accumulation: int, rs: RankStages) -> MemoryEstimate:
     sb = STATE_BYTES[workload.precision]
-    dense, experts = local_params(shape, layout)
-    expert_shard = layout.dp_shard // layout.ep if layout.zero else 1
+    dense, experts = _rank_params(shape, layout, rs)
+    fsdp = runs_fsdp(layout, workload.precision)
+    z = layout.zero if fsdp or layout.zero == 0 else 0
+    shard = layout.shard if fsdp else 1
+    expert_shard = layout.dp_shard // layout.ep if fsdp else 1
 
     def part(bytes_of) -> float:
-        return dense * bytes_of(layout.shard) + experts * bytes_of(expert_shard)
+        return dense * bytes_of(shard) + experts * bytes_of(expert_shard)
 
-    z = layout.zero
     params = part(lambda n: sb.weights / n if z == 3 else sb.weights)
     grads = part(lambda n: sb.grads / n if z >= 2 else sb.grads)
     optimizer = part(lambda n: (sb.master + sb.moments) / n if z >= 1 else sb.master + sb.moments)
 
     s, b, t = workload.seq_len, workload.micro_batch, layout.tp
-    act = ACTIVATION_BYTES[workload.precision]
-    per_layer = activation_bytes_per_layer(s, b, shape.n_embd, shape.n_head, t, sequence_parallel=t > 1,
-                                           recompute=layout.ac, flash=workload.flash, act_bytes=act)
-    activations = per_layer * shape.n_layer
-    if layout.ac == "full":  # the block being recomputed holds its activations meanwhile
-        activations += activation_bytes_per_layer(s, b, shape.n_embd, shape.n_head, t, sequence_parallel=t > 1,
-                                                  flash=workload.flash, act_bytes=act)
-    logits = s * b * shape.vocab / t * LOGIT_BYTES[workload.precision]
+    tokens = s * b
+    e = ACTIVATION_BYTES[workload.precision]
+    cpu = cluster.gpu == "cpu"
+    kw = dict(e=e, t=t, ep=layout.ep, cpu=cpu, flash=workload.flash, seq_len=s)
+    ac, k = layout.ac, layout.ac_every_k
+    per_chunk = max(stage_bytes(shape, stage, ac, k, **kw) for stage in rs.layers)
+    if layout.pp > 1 and not rs.last:
+        per_chunk += e * shape.n_embd / t  # the stage's output, kept for its send and its backward
+    recomputing = max(backward_peak(shape, stage, ac, k, **kw) for stage in rs.layers)
+    head = logit_held = 0.0
+    if rs.last:
+        head = tokens * head_bytes(shape, e, t, cpu)
+        logit_held = tokens * shape.vocab / t * (LOGIT_BYTES[workload.precision] - LOGIT_GRAD_BYTES)
+    logit_grad = tokens * shape.vocab / t * LOGIT_GRAD_BYTES if rs.last else 0.0
+    # the forward's end (and the loss's backward): every held micro-batch's blocks, head and logits,
+    # one logits gradient; or a recomputed block's backward, the other held micro-batches beside it
+    at_loss = tokens * rs.inflight * per_chunk + rs.last_inflight * head, rs.last_inflight * logit_held + logit_grad
+    in_backward = (tokens * ((rs.inflight - 1) * per_chunk + recomputing) + (rs.last_inflight - 1) * head,
+                   (rs.last_inflight - 1) * logit_held)
+    activations, logits = max(at_loss, in_backward, key=sum)
 
     compute_bytes = 4 if workload.precision == "fp32" else 2
-    experts_per_block = shape.expert_params / shape.moe_layers if shape.moe_layers else 0
-    block = (shape.block_params - experts_per_block * (1 - 1 / layout.ep)) / t  # one FSDP unit, this rank's part
-    if z == 3:
-        root = shape.embedding_params / t
+    block = max((shape.params_of_layer(i) - shape.experts_of_layer(i) + shape.experts_of_layer(i) / layout.ep) / t
+                for i in rs.all_layers)  # one FSDP unit, this rank's part
+    if z == 3 and layout.pp > 1:  # the stage stays gathered from forward to backward
+        buffers = (dense + experts) * compute_bytes + block * 4
+        if accumulation > 1:  # and its unsharded gradients add up until the last micro-step
+            buffers += (dense + experts) * compute_bytes
+    elif z == 3:
+        root = ((shape.first_stage_params if rs.first else 0.0) + (shape.last_stage_params if rs.last else 0.0)) / t
         buffers = (root + 2 * block) * compute_bytes + block * 4
     elif z == 2:
         buffers = block * 4
-    else:
+    elif fsdp or layout.pp == 1:
         buffers = DDP_BUCKETS
-    if cluster.gpu != "cpu":
+    else:
+        buffers = 0.0  # a pipeline stage alone on its data-parallel rank: no FSDP, no DDP
+    receive = 0.0
+    if layout.pp > 1:  # torch's stages keep a receive buffer per micro-batch: inputs, and gradients of outputs
+        n_stages = layout.pipeline.num_stages(layout.pp)
+        ends = sum((stage != 0) + (stage != n_stages - 1) for stage in rs.stages)
+        receive = ends * layout.microbatches * tokens * e * shape.n_embd / t
+    buffers += receive
+    if not cpu:
         buffers += GPU_RESERVED
     return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations, logits=logits,
-                          buffers=buffers, capacity=cluster.memory_bytes, margin=margin)
+                          buffers=buffers, capacity=cluster.memory_bytes, margin=margin, rank=rs.rank,
+                          persistent=receive)

@@ -12,7 +12,7 @@ the planner is often asked about, as ``GPTConfig`` fields: ``llama2-7b``, ``llam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,6 +71,85 @@ class ModelShape:
     num_experts: int = 0
     moe_layers: int = 0
     """Blocks whose feed-forward is a mixture of experts."""
+    # The GPTConfig fields the activation terms read (planning/activations.py). The defaults are
+    # GPT-2's (``mlp_hidden=0``: 4·n_embd; ``n_kv_head=0``: n_head), so a shape written by hand
+    # with the counts above only is a GPT-2-style model.
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention); 0: ``n_head``."""
+    mlp: str = "gelu"
+    """``gelu``, ``swiglu`` or ``relu2``: how many hidden-width tensors the feed-forward keeps."""
+    mlp_hidden: int = 0
+    """Hidden width of the dense feed-forward (``GPTConfig.mlp_hidden``, multiple-of rounding
+    included); 0: 4·n_embd."""
+    norm: str = "layernorm"
+    moe_top_k: int = 2
+    moe_hidden: int = 0
+    """Hidden width of each expert; 0: ``mlp_hidden``."""
+    moe_shared_experts: int = 0
+    moe_capacity_factor: float | None = None
+    moe_layer_ids: tuple[int, ...] | None = None
+    """Which blocks are MoE (``GPTConfig.is_moe_layer``); None: the last ``moe_layers``."""
+    layer_params: tuple[int, ...] = ()
+    """Parameters of each block (experts included), in layer order; (): the blocks' share each."""
+    head_params: int = 0
+    """What only the last pipeline stage holds: the final norm and an untied head; 0: half of
+    ``embedding_params`` (the rest, token and position tables, is the first stage's)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: n_kv_head · head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.mlp_hidden or 4 * self.n_embd
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_hidden or self.ffn_hidden
+
+    @property
+    def last_stage_params(self) -> float:
+        return self.head_params or self.embedding_params / 2
+
+    @property
+    def first_stage_params(self) -> float:
+        return self.embedding_params - self.last_stage_params
+
+    def untied(self) -> ModelShape:
+        """This shape with its own head (``tie_embeddings=False``), as pipeline stages need it:
+        the head's vocab x n_embd weights join the parameters and the last stage."""
+        if not self.tied:
+            return self
+        head = self.vocab * self.n_embd
+        last = (self.head_params or 0) + head
+        return replace(self, tied=False, params=self.params + head, embedding_params=self.embedding_params + head,
+                       active_params=self.active_params + head, head_params=last)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if not self.is_moe:
+            return False
+        if self.moe_layer_ids is not None:
+            return layer in self.moe_layer_ids
+        return layer >= self.n_layer - self.moe_layers
+
+    def params_of_layer(self, layer: int) -> float:
+        """Parameters of block ``layer`` (experts included)."""
+        if self.layer_params:
+            return self.layer_params[layer]
+        return (self.params - self.embedding_params) / self.n_layer
+
+    def experts_of_layer(self, layer: int) -> float:
+        """Routed-expert parameters of block ``layer`` (0 for a dense block)."""
+        return self.expert_params / self.moe_layers if self.moe_layers and self.is_moe_layer(layer) else 0.0
 
     @property
     def dense_params(self) -> int:
@@ -94,11 +173,17 @@ def shape_of(config: GPTConfig, seq_len: int, name: str = "custom") -> ModelShap
     outside = sum(v for n, v in numel.items() if not n.startswith("blocks."))
     blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     experts = sum(v for n, v in numel.items() if ".mlp.experts." in n)
+    head = sum(v for n, v in numel.items() if n.startswith(("ln_f.", "lm_head.")))
+    moe_ids = tuple(i for i in range(config.n_layer) if config.is_moe_layer(i))
     return ModelShape(name=name, params=sum(numel.values()), embedding_params=outside,
                       block_params=max(blocks), expert_params=experts,
                       active_params=model.num_params(padding=True, active=True), n_layer=config.n_layer,
                       n_embd=config.n_embd, n_head=config.n_head, vocab=config.padded_vocab_size,
                       tied=config.tie_embeddings, flops_per_token=model.flops_per_token(seq_len), seq_len=seq_len,
-                      num_experts=config.moe_num_experts,
-                      moe_layers=sum(config.is_moe_layer(i) for i in range(config.n_layer)))
+                      num_experts=config.moe_num_experts, moe_layers=len(moe_ids),
+                      n_kv_head=config.n_kv_head, mlp=config.mlp, mlp_hidden=config.mlp_hidden, norm=config.norm,
+                      moe_top_k=config.moe_top_k if config.moe_num_experts else 2,
+                      moe_hidden=(config.moe_hidden or config.mlp_hidden) if config.moe_num_experts else 0,
+                      moe_shared_experts=config.moe_shared_experts, moe_capacity_factor=config.moe_capacity_factor,
+                      moe_layer_ids=moe_ids, layer_params=tuple(blocks), head_params=head)
 

@@ -13,6 +13,7 @@ from lightning_disttrain.planning import throughput as tp
 from lightning_disttrain.planning.layouts import Candidate, evaluate, recommend
 from lightning_disttrain.planning.memory import DEFAULT_MARGIN, STATE_BYTES
 from lightning_disttrain.planning.model_shape import ModelShape
+from lightning_disttrain.planning.pipeline import bubble
 from lightning_disttrain.planning.spec import GB, Cluster, Workload
 
 
@@ -59,8 +60,12 @@ class Plan:
             "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "micro_batch": w.micro_batch,
                          "precision": w.precision, "flash": w.flash, "tokens_per_step": w.tokens_per_step},
             "layouts": [{"name": x.layout.name, "degrees": _degrees(x), "zero": x.layout.zero, "ac": x.layout.ac,
-                         "accumulation": x.accumulation, "note": x.note, "recommendable": x.recommendable,
-                         "memory_gb": x.memory.as_gb()} for x in self.candidates],
+                         "pipeline": _pipeline(x), "accumulation": x.accumulation, "note": x.note,
+                         "recommendable": x.recommendable, "safe": x.safe(),
+                         "memory_gb": x.memory.as_gb(),
+                         "step_seconds": None if x.speed is None else x.speed.step_seconds,
+                         "terms_seconds": None if x.speed is None else dict(x.speed.terms)}
+                        for x in self.candidates],
             "recommendation": None if self.chosen is None else self.chosen.layout.name,
             "reason": self.reason,
             "fits_at": None if self.fits_at is None else {"nodes": self.fits_at[0], "gpus": self.fits_at[0] * c.gpus_per_node,
@@ -69,8 +74,9 @@ class Plan:
         }
         if self.speed is not None:
             out["speed"] = {"step_seconds": self.speed.step_seconds, "tokens_per_second": self.speed.tokens_per_second,
-                            "mfu": self.speed.mfu, "peak_flops_per_gpu": self.speed.peak_flops,
-                            "flops_per_step": self.speed.flops_per_step}
+                            "mfu": self.speed.mfu, "achieved_mfu": self.speed.achieved_mfu,
+                            "peak_flops_per_gpu": self.speed.peak_flops, "flops_per_step": self.speed.flops_per_step,
+                            "terms_seconds": dict(self.speed.terms)}
         for key, f in (("checkpointing", self.failures), ("spot_checkpointing", self.spot_failures)):
             if f is not None:
                 out[key] = {"job_mtbf_hours": f.job_mtbf_hours, "checkpoint_seconds": f.checkpoint_seconds,
@@ -80,6 +86,15 @@ class Plan:
                            "spot": self.cost.spot, "spot_hours": self.cost.spot_hours,
                            "spot_savings": self.cost.spot_savings, "overhead_factor": tp.OVERHEAD}
         return out
+
+
+def _pipeline(c: Candidate) -> dict | None:
+    """The strategy's pipeline arguments of a candidate (None without a pipeline)."""
+    if c.layout.pp == 1:
+        return None
+    o = c.layout.pipeline
+    return {"pp_schedule": o.schedule, "pp_microbatches": o.num_microbatches(c.layout.pp),
+            "pp_stages_per_rank": o.local_stages, "bubble": bubble(o, c.layout.pp)}
 
 
 def _degrees(c: Candidate) -> dict:
@@ -129,8 +144,9 @@ def _nothing_fits(plan: Plan, margin: float) -> str:
                     f"{nodes * c.gpus_per_node} GPUs ({chosen.layout.name}, "
                     f"{chosen.memory.total / GB:.1f} GB per GPU): pass --nodes {nodes}")
     return (f"{head}; the model cannot fit on {c.gpu} ({c.memory_bytes / GB:.0f} GB) whatever the batch: even "
-            f"micro batch 1 on up to {SEARCH_NODES[-1] * c.gpus_per_node:,} GPUs does not fit; use GPUs with more "
-            f"memory, a shorter sequence, or a smaller model")
+            f"micro batch 1 on up to {SEARCH_NODES[-1] * c.gpus_per_node:,} GPUs does not fit at global batch "
+            f"{w.global_batch} (a pipeline needs as many micro-batches per step as stages: a larger --global-batch lets "
+            f"deeper ones run); use GPUs with more memory, a shorter sequence, or a smaller model")
 
 
 def make_plan(shape: ModelShape, workload: Workload, cluster: Cluster, money: Money = Money(),
@@ -149,15 +165,20 @@ def make_plan(shape: ModelShape, workload: Workload, cluster: Cluster, money: Mo
         return plan
     if cluster.gpu == "cpu":
         return plan
-    layout = chosen.layout
     peak = CHIPS[cluster.gpu].bf16
     fp8 = workload.precision == "fp8"
-    plan.speed = tp.throughput(shape.flops_per_token, workload.tokens_per_step, cluster.world, peak,
-                               tp.DEFAULT_MFU if mfu is None else mfu, full_recompute=layout.ac == "full",
-                               pp=layout.pp, microbatches=chosen.accumulation or 1, fp8=fp8)
-    plan.assumptions.append(f"MFU {plan.speed.mfu:.0%} against the {cluster.gpu} dense bf16 peak "
+    for c in candidates:
+        if c.usable:
+            c.speed = tp.step_terms(shape, c.layout, workload, cluster, tp.DEFAULT_MFU if mfu is None else mfu,
+                                    c.accumulation or 1)
+    plan.speed = chosen.speed
+    plan.assumptions.append(f"compute at MFU {plan.speed.mfu:.0%} against the {cluster.gpu} dense bf16 peak "
                             f"({peak / 1e12:.0f} TFLOP/s)" + ("" if mfu is not None else
                                                             "; anchors: " + "; ".join(tp.MFU_ANCHORS)))
+    intra, inter = tp.LINKS[cluster.gpu]
+    plan.assumptions.append(f"links: {intra:g} GB/s per GPU inside a node, {inter:g} GB/s across nodes, "
+                            f"{tp.LINK_EFFICIENCY:.0%} of it reached; communication terms from message sizes "
+                            f"(lightning_disttrain/planning/throughput.py)")
     if fp8:
         plan.assumptions.append(f"fp8: x{tp.FP8_SPEEDUP} over bf16; anchor: {tp.FP8_ANCHOR}")
     ckpt = money.checkpoint_seconds

@@ -14,7 +14,8 @@ def rows(plan: Plan) -> list[tuple[str, ...]]:
     out = []
     for c in plan.candidates:
         m = c.memory
-        fits = "yes" if c.usable else ("no" if not m.fits else "-")  # "-": fits, but not recommendable here
+        # "thin": fits with less headroom than the planner's error; "-": fits, but cannot run or is not offered
+        fits = ("yes" if c.safe() else "thin") if c.usable else ("no" if not m.fits else "-")
         name = ("> " if c is plan.chosen else "  ") + c.layout.name
         out.append((name, *(f"{v / GB:.1f}" for v in (m.params, m.grads, m.optimizer, m.activations, m.logits,
                                                         m.buffers, m.total, m.headroom)), fits))
@@ -31,11 +32,20 @@ def summary(plan: Plan) -> list[str]:
              f"{w.precision}",
              f"recommendation: {plan.reason}"]
     if plan.chosen is not None:
-        lines.append(f"  gradient accumulation {plan.chosen.accumulation}")
+        layout = plan.chosen.layout
+        text = f"  gradient accumulation {plan.chosen.accumulation}"
+        if layout.pp > 1:
+            o = layout.pipeline
+            text += (f"; pipeline {o.schedule}, {o.num_microbatches(layout.pp)} micro-batches of {w.micro_batch} "
+                     f"per batch, {o.local_stages} stage(s) per rank; most loaded: pipeline rank "
+                     f"{plan.chosen.memory.rank}")
+        lines.append(text)
     if plan.speed is not None:
         sp = plan.speed
+        terms = ", ".join(f"{k} {v:.2f}" for k, v in sp.terms.items() if v > 0)
         lines.append(f"speed: {sp.step_seconds:.2f} s/step, {sp.tokens_per_second:,.0f} tokens/s "
-                     f"({sp.tokens_per_second / c.world:,.0f} per GPU) at MFU {sp.mfu:.0%}")
+                     f"({sp.tokens_per_second / c.world:,.0f} per GPU), MFU {sp.achieved_mfu:.0%} "
+                     f"(compute at {sp.mfu:.0%}); seconds: {terms}")
     if plan.failures is not None:
         f = plan.failures
         lines.append(f"checkpoints (Young/Daly): every {f.interval_seconds / 60:.0f} min (checkpoint "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_disttrain.parallel.activation import POLICIES as AC_POLICIES
+from lightning_disttrain.parallel.pipeline import PipelineOptions
 from lightning_disttrain.peak_flops import CHIPS
 
 GB = 1e9
@@ -20,7 +22,6 @@ GPU_MEMORY_GB: dict[str, float] = {
 ``--gpu-memory 40``). HGX B200: 1,440 GB per 8 GPUs; GB200 NVL72: 13.4 TB per 72."""
 
 PRECISIONS = ("bf16", "fp8", "fp32", "bf16-pure")
-AC_POLICIES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,12 @@ class Workload:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to lay the model out: the degrees of ``NDParallelStrategy`` plus the ZeRO stage and
-    the activation checkpointing policy. ``zero``: 0 = DDP (nothing sharded), 1 = optimizer state
-    sharded, 2 = + gradients (FSDP2 ``reshard_after_forward=False``), 3 = + parameters (FSDP2)."""
+    """One way to lay the model out: the degrees of ``NDParallelStrategy`` plus the ZeRO stage, the
+    activation checkpointing policy and, with ``pp > 1``, the strategy's pipeline arguments.
+    ``zero``: 0 = DDP (nothing sharded), 1 = optimizer state sharded, 2 = + gradients (FSDP2
+    ``reshard_after_forward=False``), 3 = + parameters (FSDP2). ``ac``: the policy of
+    ``SelectiveActivationCheckpointing`` (``parallel.activation.POLICIES``), ``ac_every_k`` its
+    ``every_k`` for ``"block"``."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -93,6 +97,14 @@ class Layout:
     ep: int = 1
     zero: int = 3
     ac: str = "none"
+    ac_every_k: int = 2
+    pp_schedule: str = "1F1B"
+    """``NDParallelStrategy(pp_schedule=...)``; with ``pp=1`` unused."""
+    pp_microbatches: int | None = None
+    """``NDParallelStrategy(pp_microbatches=...)``: micro-batches each batch is split into; None:
+    the strategy's default (one per stage)."""
+    pp_stages_per_rank: int | None = None
+    """``NDParallelStrategy(pp_stages_per_rank=...)``; None: the strategy's default for the schedule."""
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep"):
@@ -104,6 +116,20 @@ class Layout:
             raise ValueError(f"Layout.ac={self.ac!r} is unknown; use one of {AC_POLICIES}")
         if self.dp_shard % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp_shard={self.dp_shard} (experts borrow FSDP ranks)")
+        if not isinstance(self.ac_every_k, int) or self.ac_every_k < 1:
+            raise ValueError(f"Layout.ac_every_k={self.ac_every_k!r} must be an int >= 1")
+        if self.pp > 1:
+            PipelineOptions(self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank)  # the strategy's checks
+
+    @property
+    def pipeline(self) -> PipelineOptions:
+        """The ``PipelineOptions`` ``NDParallelStrategy`` builds from these pipeline arguments."""
+        return PipelineOptions(self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per data-parallel batch: the pipeline's (1 without one)."""
+        return self.pipeline.num_microbatches(self.pp) if self.pp > 1 else 1
 
     @property
     def world(self) -> int:
@@ -127,7 +153,14 @@ class Layout:
             parts = [f"HSDP {self.dp_replicate}x{self.dp_shard}"]
         else:
             parts = [f"ZeRO-{self.zero} x{self.dp_shard}" if self.zero < 3 else f"FSDP2 x{self.dp_shard}"]
-        parts += [f"{k.upper()} {v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        if self.pp > 1:
+            o = self.pipeline
+            v = f" v{o.local_stages}" if o.local_stages > 1 else ""
+            parts.append(f"PP {self.pp} ({o.schedule}{v}, {o.num_microbatches(self.pp)} mb)")
+        if self.ep > 1:
+            parts.append(f"EP {self.ep}")
         if self.ac != "none":
-            parts.append(f"AC {self.ac}")
+            parts.append(f"AC {self.ac}" + (f"/{self.ac_every_k}" if self.ac == "block" else ""))
         return " + ".join(parts)

@@ -1,6 +1,31 @@
-"""Step time, tokens/s, training hours and cost from FLOPs per token and an assumed MFU.
+"""Step time, tokens/s, training hours and cost from FLOPs per token, an assumed MFU and the
+layout's communication.
 
-    step time = FLOPs/token x tokens/step / (GPUs x peak x MFU)  x recompute x pipeline bubble
+    step time = compute + recompute + pipeline bubble + exposed TP / PP / EP / data-parallel communication
+
+``step_terms`` names each term (seconds per optimizer step, on the most loaded rank):
+
+- compute: FLOPs/token x tokens/step / (GPUs x peak x MFU): the model's FLOPs at the assumed MFU.
+- recompute: what activation checkpointing runs again: a third of the compute per fully
+  recomputed block (the forward of forward + backward); ``selective`` re-runs elementwise ops
+  (counted as free) and, where the package's policy does not keep ``aten._grouped_mm`` outputs, the
+  routed experts' forward (2 FLOPs per active expert parameter and token).
+- bubble: the schedule's idle fraction (``planning/pipeline.py``: (p - 1) / m for 1F1B, (p - 1) /
+  (v·m) interleaved, a third of that for zero bubble) times the time the pipeline's ranks are busy.
+- tp: sequence-parallel tensor parallel moves, per block and micro-batch, two all-gathers and two
+  reduce-scatters of the s·b·h activations in forward and again in backward (a third time when
+  the block is recomputed), each (t - 1)/t of the tensor per rank, on the node's links; exposed
+  (no async TP).
+- pp: each micro-batch's s·b·h/t boundary activations, sent forward and its gradient back, on the
+  inter-node links, on the critical path for the m + p - 1 slots of the schedule.
+- ep: the dispatch and the combine all-to-all of k'·s·b·h per MoE block and micro-batch, forward and
+  backward, (ep - 1)/ep of it leaving each rank; exposed.
+- dp: FSDP's all-gathers (forward and backward of every micro-step; ZeRO-2: forward only) and
+  the gradient reduce-scatter, DDP's all-reduce, HSDP's all-reduce across nodes; overlapped with
+  the compute, so only what exceeds it is exposed.
+
+Link bandwidths per GPU and direction (``LINKS``, datasheets) times ``LINK_EFFICIENCY`` (what
+NCCL's bus bandwidth reaches on large messages); ring collectives move (n - 1)/n of the data per rank.
 
 FLOPs per token are the model's (``GPT.flops_per_token``: 6·N_active + 12·L·H·Dh·T, PaLM
 appendix B). The peak is the dense bf16 figure of the chip (``lightning_disttrain/peak_flops.py``). MFU is
@@ -20,8 +45,18 @@ failure, plus the restart). M = device MTBF / GPUs, with spot preemptions added 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from lightning_disttrain.peak_flops import CHIPS
+from lightning_disttrain.planning.activations import (
+    grouped_gemm_saved,
+    routed_assignments,
+)
+from lightning_disttrain.planning.memory import local_params
+from lightning_disttrain.planning.model_shape import ModelShape
+from lightning_disttrain.planning.pipeline import bubble as pipeline_bubble
+from lightning_disttrain.planning.pipeline import rank_stages
+from lightning_disttrain.planning.spec import Cluster, Layout, Workload
 from lightning_disttrain.young_daly import young_daly_interval
 
 DEFAULT_MFU = 0.40
@@ -43,28 +78,120 @@ CHECKPOINT_WRITE_GBPS = 1.0
 """Assumed checkpoint write bandwidth per node (GB/s) when the checkpoint cost is not given."""
 
 
+LINKS: dict[str, tuple[float, float]] = {
+    "A100": (300, 25), "H100 SXM": (450, 50), "H100 PCIe": (64, 50), "H100 NVL": (300, 50), "GH200": (450, 50),
+    "H200": (450, 50), "H200 NVL": (450, 50), "B200": (900, 50), "GB200": (900, 100), "L4": (32, 12.5),
+    "L40S": (32, 25), "A10G": (32, 12.5),
+}
+"""GB/s per GPU and direction: (inside a node: NVLink, or PCIe where there is none; across nodes:
+the GPU's share of the network, 400 Gb/s InfiniBand / RoCE per H100-class GPU, 200 Gb/s per A100,
+100-200 Gb/s for the PCIe cards' instances)."""
+LINK_EFFICIENCY = 0.7
+
+
 @dataclass(frozen=True)
 class Throughput:
     step_seconds: float
     tokens_per_second: float
     mfu: float
+    """The MFU assumed for the compute term."""
     peak_flops: float
     flops_per_step: float
+    terms: dict[str, float] = field(default_factory=dict)
+    """Seconds per step by term (``step_terms``); their sum is ``step_seconds``."""
+
+    @property
+    def achieved_mfu(self) -> float:
+        """Model FLOPs over the whole step's time: below ``mfu`` by the other terms."""
+        compute = self.terms.get("compute", self.step_seconds)
+        return self.mfu * compute / self.step_seconds
 
 
 def throughput(flops_per_token: float, tokens_per_step: float, gpus: int, peak_flops: float, mfu: float = DEFAULT_MFU,
-               *, full_recompute: bool = False, pp: int = 1, microbatches: int = 1, fp8: bool = False) -> Throughput:
+               *, full_recompute: bool = False, pp: int = 1, microbatches: int = 1, fp8: bool = False,
+               bubble: float | None = None) -> Throughput:
+    """Compute at the assumed MFU, x4/3 for full recomputation, x(1 + bubble) with a pipeline
+    (``bubble`` None: 1F1B's (p - 1)/m)."""
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu={mfu} must be in (0, 1]; e.g. 0.4 for 40%")
     if peak_flops <= 0:
         raise ValueError(f"peak_flops={peak_flops} must be > 0")
     flops = flops_per_token * tokens_per_step
-    seconds = flops / (gpus * peak_flops * mfu * (FP8_SPEEDUP if fp8 else 1.0))
-    if full_recompute:
-        seconds *= 4 / 3
+    compute = flops / (gpus * peak_flops * mfu * (FP8_SPEEDUP if fp8 else 1.0))
+    terms = {"compute": compute, "recompute": compute / 3 if full_recompute else 0.0}
     if pp > 1:
-        seconds *= 1 + (pp - 1) / max(microbatches, 1)
-    return Throughput(seconds, tokens_per_step / seconds, mfu, peak_flops, flops)
+        frac = (pp - 1) / max(microbatches, 1) if bubble is None else bubble
+        terms["bubble"] = frac * (terms["compute"] + terms["recompute"])
+    seconds = sum(terms.values())
+    return Throughput(seconds, tokens_per_step / seconds, mfu, peak_flops, flops, terms)
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, mfu: float = DEFAULT_MFU,
+               accumulation: int = 1,
+               links: tuple[float, float] | None = None) -> Throughput:
+    """The named terms of one optimizer step of ``layout`` (see the module docstring)."""
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu={mfu} must be in (0, 1]; e.g. 0.4 for 40%")
+    peak = CHIPS[cluster.gpu].bf16
+    fp8 = workload.precision == "fp8"
+    intra, inter = [b * 1e9 * LINK_EFFICIENCY for b in (links or LINKS[cluster.gpu])]
+    G, N = cluster.gpus_per_node, cluster.world
+    t, p, ep = layout.tp, layout.pp, layout.ep
+    e = 4 if workload.precision == "fp32" else 2
+    tokens = workload.tokens_per_step
+    flops = shape.flops_per_token * tokens
+    compute = flops / (N * peak * mfu * (FP8_SPEEDUP if fp8 else 1.0))
+    ranks = rank_stages(layout.pipeline, p, shape.n_layer)
+    layers = max(len(r.all_layers) for r in ranks)  # blocks on the busiest pipeline rank
+    full = sum(1 for i in range(shape.n_layer)
+               if layout.ac == "full" or (layout.ac == "block" and i % layout.ac_every_k == 0))
+    recompute = compute / 3 * full / shape.n_layer
+    if layout.ac == "selective" and shape.is_moe and not grouped_gemm_saved():
+        k = routed_assignments(shape)
+        expert_fwd = 2 * k * (shape.expert_params / shape.num_experts) * tokens / (N * peak * mfu)
+        recompute += expert_fwd
+    # per data-parallel rank and step: micro-batches of s x b tokens
+    micro = workload.micro_batch * workload.seq_len  # tokens of one micro-batch
+    microsteps = accumulation * layout.microbatches
+    tp_comm = 0.0
+    if t > 1:
+        per_block = 4 * _ring(t) * micro * shape.n_embd * e  # 2 all-gathers + 2 reduce-scatters
+        passes = 2 + (1 if layout.ac in ("full", "block") else 0) * full / shape.n_layer
+        tp_comm = per_block * passes * layers * microsteps / (intra if t <= G else inter)
+    ep_comm = 0.0
+    if ep > 1:
+        moe_blocks = sum(1 for i in range(shape.n_layer) if shape.is_moe_layer(i)) * layers / shape.n_layer
+        per_block = 2 * _ring(ep) * routed_assignments(shape) * micro * shape.n_embd * e  # dispatch + combine
+        ep_comm = 2 * per_block * moe_blocks * microsteps / (intra if ep * t <= G else inter)
+    pp_comm = 0.0
+    if p > 1:
+        msg = micro * shape.n_embd / t * e
+        m = layout.microbatches
+        pp_comm = 2 * (m + p - 1) * accumulation * msg / (inter if G < N else intra)
+    dense, experts = local_params(shape, layout)
+    n = layout.dp_shard
+    shard_bw = intra if n * t * p <= G or (layout.dp_replicate > 1 and n * t <= G) else inter
+    dp_comm = 0.0
+    if layout.zero == 0:
+        dp_comm = 2 * _ring(layout.dp) * (dense + experts) * 4 / (intra if layout.dp <= G else inter)
+    else:
+        gathers = 2 if layout.zero == 3 and p == 1 else 1
+        gathered = gathers * microsteps if p == 1 else gathers * accumulation
+        weights = dense * _ring(n) + experts * _ring(n // ep)
+        dp_comm = (gathered * weights * e + weights * 4) / shard_bw
+        if layout.dp_replicate > 1:
+            dp_comm += 2 * _ring(layout.dp_replicate) * (dense / n + experts / max(1, n // ep)) * 4 / inter
+    dp_exposed = max(0.0, dp_comm - compute)
+    busy = compute + recompute + tp_comm + ep_comm
+    bubble = pipeline_bubble(layout.pipeline, p) * busy if p > 1 else 0.0
+    terms = {"compute": compute, "recompute": recompute, "bubble": bubble, "tp": tp_comm, "pp": pp_comm,
+             "ep": ep_comm, "dp": dp_exposed}
+    seconds = sum(terms.values())
+    return Throughput(seconds, tokens / seconds, mfu, peak, flops, terms)
 
 
 @dataclass(frozen=True)

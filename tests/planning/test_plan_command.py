@@ -6,7 +6,13 @@ import pytest
 import yaml
 
 from lightning_disttrain.cli import DistTrainCLI, main
-from lightning_disttrain.planning import Cluster, Workload, config_for, make_plan, shape_of
+from lightning_disttrain.planning import (
+    Cluster,
+    Workload,
+    config_for,
+    make_plan,
+    shape_of,
+)
 from lightning_disttrain.planning.config_yaml import config_dict
 from lightning_disttrain.strategies import NDParallelStrategy
 
@@ -41,7 +47,10 @@ def test_speed_cost_and_checkpoint_interval(capsys):
                  "--checkpoint-seconds", "30"], capsys)
     speed = out["speed"]
     flops = out["model"]["flops_per_token"] * 512 * 4096
-    assert speed["step_seconds"] == pytest.approx(flops / (16 * 989.4e12 * 0.5))
+    terms = speed["terms_seconds"]
+    assert terms["compute"] == pytest.approx(flops / (16 * 989.4e12 * 0.5))  # the model's FLOPs at the MFU
+    assert speed["step_seconds"] == pytest.approx(sum(terms.values())) and speed["step_seconds"] > terms["compute"]
+    assert speed["achieved_mfu"] == pytest.approx(0.5 * terms["compute"] / speed["step_seconds"])
     ck = out["checkpointing"]
     assert ck["interval_minutes"] * 60 == pytest.approx((2 * 30 * ck["job_mtbf_hours"] * 3600) ** 0.5)
     cost = out["cost"]
@@ -101,3 +110,30 @@ def test_nothing_fits_is_said_and_not_written():
     assert plan.chosen is None and plan.reason.startswith("nothing fits")
     with pytest.raises(ValueError, match="no layout to write: nothing fits"):
         config_dict(plan, "llama3-70b", {})
+
+
+def test_recommendation_keeps_headroom_for_the_planners_error(capsys):
+    # issue 26's example: llama3-70b at 8192 on 4 x 8 H100 (80 GB): FSDP2 x32 + AC full fits with
+    # 2.2 GB to spare, less than the planner's validated error (10% of 72 GB usable); TP 2 + AC full
+    # fits with 18.4 GB and is recommended, the reason saying why
+    out = _plan(["--model", "llama3-70b", "--nodes", "4", "--seq-len", "8192", "--global-batch", "64"], capsys)
+    layouts = {x["name"]: x for x in out["layouts"]}
+    thin = layouts["FSDP2 x32 + AC full"]
+    assert thin["memory_gb"]["fits"] and 0 < thin["memory_gb"]["headroom"] < 7.2 and not thin["safe"]
+    assert out["recommendation"] == "FSDP2 x16 + TP 2 + AC full"
+    chosen = layouts[out["recommendation"]]
+    assert chosen["safe"] and chosen["memory_gb"]["headroom"] >= 7.2
+    assert "simplest layout that fits with headroom" in out["reason"]
+    assert "10% of usable = 7.2 GB, the planner's validated error" in out["reason"]
+    assert "simpler layouts fit with less to spare: FSDP2 x32 + AC full (2.2 GB)" in out["reason"]
+
+
+def test_thin_headroom_is_said_when_nothing_has_more(capsys):
+    # gpt2-1558m (25 heads: no TP) at seq 1024, micro batch 8 on 8 x 13 GB: only FSDP2 x8 + AC full
+    # fits, with 0.7 GB to spare, under 10% of the 11.7 GB usable
+    out = _plan(["--model", "gpt2-1558m", "--seq-len", "1024", "--global-batch", "64", "--micro-batch", "8",
+                 "--gpu-memory", "13"], capsys)
+    assert out["recommendation"] == "FSDP2 x8 + AC full"
+    assert not any(x["safe"] for x in out["layouts"])
+    assert "is the simplest layout that fits, but with little headroom" in out["reason"]
+    assert "measure the first steps' peak before a long run" in out["reason"]

@@ -1,0 +1,162 @@
+"""Every YAML `plan --write-config` writes runs as written: one per layout class the planner
+recommends (DDP, ZeRO-2, FSDP2, HSDP, TP, PP 1F1B and interleaved, TP + PP of both schedules, EP,
+with each checkpointing policy it offers), for a tiny model on a `cpu` cluster of 2-4 ranks, fitted 2 steps
+through the CLI; and the strategy and the plan read the same schedule from one YAML.
+
+The fits override only what a test machine needs: 2 steps, the embedded byte corpus instead of
+the placeholder source, no validation set, and all ranks on this one host (``num_nodes: 1`` with
+``devices`` = the cluster's world size: a 2 x 2 cluster runs as 4 local processes, the same mesh).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from lightning_disttrain.cli import main
+from lightning_disttrain.planning import (
+    Cluster,
+    Workload,
+    config_for,
+    make_plan,
+    shape_of,
+)
+from lightning_disttrain.planning.config_yaml import (
+    config_dict,
+    find_candidate,
+    layout_from_config,
+)
+from lightning_disttrain.planning.layouts import candidate_layouts
+from lightning_disttrain.planning.memory import memory_per_gpu
+from lightning_disttrain.planning.pipeline import inflight
+
+PLAN = ["--override", "vocab_size=257", "--gpu", "cpu", "--gpu-memory", "1", "--seq-len", "64",
+        "--global-batch", "16", "--micro-batch", "2", "--precision", "fp32"]
+"""The tiny workload: 16 sequences of 64 tokens per step, micro batch 2, fp32 (CPU)."""
+
+# (model, gpus per node, nodes, layout as the table names it, log line the strategy prints)
+RUNS = {
+    "ddp": ("tiny", 2, 1, "DDP x2", None),
+    "zero2": ("tiny", 2, 1, "ZeRO-2 x2", "fsdp"),
+    "fsdp2-selective": ("tiny", 2, 1, "FSDP2 x2 + AC selective", "activation_checkpointing"),
+    "hsdp": ("tiny", 2, 2, "HSDP 2x2", "fsdp"),
+    "tp-full": ("tiny", 2, 1, "FSDP2 x1 + TP 2 + AC full", "tensor_parallel"),
+    "pp-1f1b": ("tiny", 1, 2, "FSDP2 x1 + PP 2 (1F1B, 8 mb) + AC selective",
+                "pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 8 micro-batches"),
+    "pp-interleaved": ("tiny", 1, 2, "FSDP2 x1 + PP 2 (Interleaved1F1B v2, 8 mb)",
+                       "pipeline: Interleaved1F1B, 4 stages of 4 blocks [1, 1, 1, 1], 8 micro-batches"),
+    "tp-pp-1f1b": ("tiny", 2, 2, "FSDP2 x1 + TP 2 + PP 2 (1F1B, 8 mb)",
+                   "pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 8 micro-batches"),
+    "tp-pp-interleaved": ("tiny", 2, 2, "FSDP2 x1 + TP 2 + PP 2 (Interleaved1F1B v2, 8 mb) + AC full",
+                          "pipeline: Interleaved1F1B, 4 stages of 4 blocks [1, 1, 1, 1], 8 micro-batches"),
+    "ep": ("tiny-moe", 2, 1, "FSDP2 x2 + EP 2", "expert_parallel: ep=2"),
+    "ep-full": ("tiny-moe", 2, 1, "FSDP2 x2 + EP 2 + AC full", "expert_parallel: ep=2"),
+}
+
+
+def _kind(layout) -> tuple:
+    """A layout's class: ZeRO stage, HSDP, TP, pipeline schedule, EP."""
+    return (layout.zero, layout.dp_replicate > 1 and layout.zero > 0, layout.tp > 1,
+            layout.pipeline.schedule if layout.pp > 1 else None, layout.ep > 1)
+
+
+def _plan_args(model, gpus, nodes):
+    return ["plan", "--model", model, *PLAN, "--gpus-per-node", str(gpus), "--nodes", str(nodes)]
+
+
+def _written(tmp_path, name, capsys) -> tuple[dict, str]:
+    model, gpus, nodes, layout, _ = RUNS[name]
+    path = tmp_path / f"{name}.yaml"
+    main([*_plan_args(model, gpus, nodes), "--write-config", str(path), "--layout", layout])
+    assert f"wrote {path}" in capsys.readouterr().out
+    return yaml.safe_load(path.read_text()), str(path)
+
+
+def test_the_runs_cover_every_class_the_planner_offers():
+    tested = set()
+    for model, gpus, nodes, name, _ in RUNS.values():
+        shape = shape_of(config_for(model, {"vocab_size": 257}), 64)
+        plan = make_plan(shape, Workload(64, 16, 2, "fp32"), Cluster("cpu", gpus, nodes, 1.0))
+        tested.add(_kind(find_candidate(plan, name).layout))
+    for model, gpus, nodes, *_ in RUNS.values():
+        shape = shape_of(config_for(model, {"vocab_size": 257}), 64)
+        for layout, _, ok in candidate_layouts(shape, Cluster("cpu", gpus, nodes, 1.0), Workload(64, 16, 2, "fp32")):
+            assert not ok or _kind(layout) in tested, f"{layout.name}: a class no run below fits"
+
+
+@pytest.mark.parametrize("name", ["pp-interleaved", "tp-pp-1f1b"])
+def test_strategy_and_plan_read_one_schedule_from_the_yaml(tmp_path, capsys, name):
+    from lightning_disttrain.strategies import NDParallelStrategy
+
+    config, _ = _written(tmp_path, name, capsys)
+    strategy = NDParallelStrategy(**config["trainer"]["strategy"]["init_args"])
+    layout, batch = layout_from_config(config)
+    assert layout.pipeline == strategy.pp_options  # schedule, micro-batches, stages per rank, split
+    assert layout.name == RUNS[name][3]
+    options, pp = strategy.pp_options, layout.pp
+    assert batch == 2 * options.num_microbatches(pp)  # the data module's batch splits into the micro-batches
+    options.validate(pp, n_blocks=4, batch_size=batch)  # what the strategy checks before the first step
+    assert [inflight(options, pp, r) for r in range(pp)] == [inflight(layout.pipeline, pp, r) for r in range(pp)]
+    # the plan of the YAML's layout is the one the table printed for it
+    model, gpus, nodes, *_ = RUNS[name]
+    shape = shape_of(config_for(model, {"vocab_size": 257}), 64)
+    workload, cluster = Workload(64, 16, 2, "fp32"), Cluster("cpu", gpus, nodes, 1.0)
+    printed = find_candidate(make_plan(shape, workload, cluster), layout.name)
+    assert memory_per_gpu(shape, layout, workload, cluster) == printed.memory
+
+
+def test_every_written_pipeline_carries_its_schedule(capsys):
+    shape = shape_of(config_for("tiny", {"vocab_size": 257}), 64)
+    plan = make_plan(shape, Workload(64, 16, 2, "fp32"), Cluster("cpu", 2, 2, 1.0))
+    for c in plan.candidates:
+        if c.layout.pp > 1 and c.recommendable:
+            init = config_dict(plan, "tiny", {}, c)["trainer"]["strategy"]["init_args"]
+            assert init["pp_schedule"] == c.layout.pipeline.schedule
+            assert init["pp_microbatches"] == c.layout.microbatches == 8  # 16 / (2 per micro-batch x dp 1)
+
+
+def test_a_layout_that_cannot_run_is_not_written(tmp_path, capsys):
+    # 8 sequences of 4 per micro-batch: 2 micro-batches, fewer than 4 interleaved stages
+    args = ["plan", "--model", "tiny", *PLAN[:-8], "--global-batch", "8", "--micro-batch", "4", "--precision", "fp32",
+            "--gpus-per-node", "1", "--nodes", "2", "--write-config", str(tmp_path / "x.yaml"),
+            "--layout", "FSDP2 x1 + PP 2 (Interleaved1F1B v2, 4 mb)"]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot be written" in err and "cannot run: pp_microbatches=2 is fewer than the 4 pipeline stages" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_written_config_fits_two_steps(tmp_path, capsys, name):
+    config, path = _written(tmp_path, name, capsys)
+    trainer = config["trainer"]
+    world = trainer["devices"] * trainer["num_nodes"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_disttrain.cli", "fit", "--config", path, "--trainer.max_steps", "2",
+         "--trainer.num_nodes", "1", "--trainer.devices", str(world), "--trainer.enable_progress_bar", "false",
+         "--data.init_args.source", "embedded", "--data.init_args.tokenizer", "bytes",
+         "--data.init_args.val_batches", "0", "--data.init_args.cache_dir", str(tmp_path / "cache"),
+         "--data.init_args.max_docs", "60"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in text
+    expected = RUNS[name][4]
+    if expected:
+        assert expected in text, text[-4000:]
+
+
+def test_expert_parallel_with_selective_checkpointing_is_not_offered(capsys):
+    # it fails at the first backward (see layouts.EP_SELECTIVE); EP + full runs (the ep-full fit above)
+    shape = shape_of(config_for("tiny-moe", {"vocab_size": 257}), 64)
+    plan = make_plan(shape, Workload(64, 16, 2, "fp32"), Cluster("cpu", 2, 1, 1.0))
+    sel = find_candidate(plan, "FSDP2 x2 + EP 2 + AC selective")
+    assert not sel.recommendable and "fails at the first backward" in sel.note
+    assert find_candidate(plan, "FSDP2 x2 + EP 2 + AC full").recommendable
