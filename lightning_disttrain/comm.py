@@ -64,7 +64,7 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return backend_device(dist.get_backend(group))
 
 
-_HOST_GROUPS: dict[int, dist.ProcessGroup | None] = {}
+_HOST_GROUP: list = []  # [(the default group it was made for, the host group or None)]
 
 
 def host_group() -> dist.ProcessGroup | None:
@@ -74,13 +74,10 @@ def host_group() -> dist.ProcessGroup | None:
     wait for the accelerator's queue, where the same flag over NCCL needs a device sync to read.
     Collective the first time: every rank must call it at the same point."""
     default = dist.group.WORLD
-    key = id(default)
-    if key not in _HOST_GROUPS:
-        if str(dist.get_backend()).lower() in _HOST_BACKENDS:
-            _HOST_GROUPS[key] = None
-        else:
-            _HOST_GROUPS[key] = dist.new_group(backend="gloo")
-    return _HOST_GROUPS[key]
+    if not _HOST_GROUP or _HOST_GROUP[0][0] is not default:  # first call, or a new default group
+        host = None if str(dist.get_backend()).lower() in _HOST_BACKENDS else dist.new_group(backend="gloo")
+        _HOST_GROUP[:] = [(default, host)]
+    return _HOST_GROUP[0][1]
 
 
 def _staged(tensor: torch.Tensor, group) -> torch.Tensor:

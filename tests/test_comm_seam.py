@@ -173,11 +173,11 @@ def test_host_group_is_the_default_under_gloo_and_a_gloo_group_beside_an_acceler
     # group reports "nccl") a gloo group over the same ranks is made once, and a host flag's
     # all-reduce goes there, on the host, without staging it onto an accelerator.
     assert comm.host_group() is None
-    comm._HOST_GROUPS.clear()
+    comm._HOST_GROUP.clear()
     real_get_backend = dist.get_backend
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl" if group is None else real_get_backend(group))
     group = comm.host_group()
     assert group is not None and real_get_backend(group) == "gloo" and comm.host_group() is group
     flag = torch.tensor([1], dtype=torch.int32)
     assert comm.all_reduce(flag, "max", group=group).item() == 1 and comm.group_device(group).type == "cpu"
-    comm._HOST_GROUPS.clear()
+    comm._HOST_GROUP.clear()

@@ -76,16 +76,17 @@ class ContextParallel:
                 attn_mask=lower_right_causal(chunk, visible, q.device), dropout_p=dropout_p, enable_gqa=enable_gqa))
         return torch.cat(out, dim=2)
 
-    def prepare(self, local_len: int) -> None:
-        """Build this rank's two causal biases for ``local_len`` tokens ahead of the forward (the
-        strategy calls it per batch): built inside a dispatch mode (selective activation
-        checkpointing, ``activation_bytes``) ``CausalBias`` cannot be constructed."""
-        chunk = local_len // 2
-        for c in (self.rank, 2 * self.size - 1 - self.rank):
-            lower_right_causal(chunk, (c + 1) * chunk, "cpu")
-
 
 _BIASES: dict[tuple[int, int], Any] = {}
+
+
+def prepare_biases(local_len: int, rank: int, size: int) -> None:
+    """Build (and cache) the causal biases rank ``rank`` of ``size`` attends its ``local_len``
+    tokens with, ahead of the forward (the strategy calls it per batch): inside a dispatch mode
+    (selective activation checkpointing, ``activation_bytes``) ``CausalBias`` cannot be built."""
+    chunk = local_len // 2
+    for c in (rank, 2 * size - 1 - rank):
+        lower_right_causal(chunk, (c + 1) * chunk, "cpu")
 
 
 def lower_right_causal(rows: int, cols: int, device: torch.device | str) -> Any:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain import comm
+from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain.parallel.plan import ParallelPlan
 
 _PRECISION_DTYPES: dict[str, torch.dtype | None] = {
@@ -298,4 +299,4 @@ def install_mesh_aware_clipping(precision_plugin: Any, pp_mesh=None) -> None:
     def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         clip_grad_norm_(precision_plugin.main_params(optimizer), clip_val, pp_mesh=pp_mesh)
 
-    precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+    compat.install_clip_grad_by_norm(precision_plugin, clip_grad_by_norm)

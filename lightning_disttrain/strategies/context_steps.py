@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_disttrain.models.context_parallel import check_length, shard_sequence
+from lightning_disttrain.models.context_parallel import check_length, prepare_biases, shard_sequence
 
 
 class ContextStepMixin:
@@ -47,8 +47,8 @@ class ContextStepMixin:
             return value
 
         out = shard(batch)
-        if lengths and len(lengths) == 1:
-            self._prepare_attention(next(iter(lengths)) // size)
+        if len(lengths) == 1:
+            prepare_biases(next(iter(lengths)) // size, rank, size)
         if not lengths:
             raise ValueError(f"cp={size} shards each batch along its sequence dimension (dim 1 of every tensor of at "
                              f"least 2 dimensions), but this batch ({type(batch).__name__}) has none: give the "
@@ -57,14 +57,6 @@ class ContextStepMixin:
             raise ValueError(f"cp={size}: the batch's tensors have different sequence lengths {sorted(lengths)} in "
                              f"dimension 1; context parallel shards them all the same way, so they must agree")
         return out
-
-    def _prepare_attention(self, local_len: int) -> None:
-        module = getattr(self, "lightning_module", None)
-        for m in module.modules() if module is not None else ():
-            cp = getattr(m, "context_parallel", None)
-            if cp is not None:
-                cp.prepare(local_len)
-                return  # the same biases for every layer
 
     def _sharded(self, args: tuple) -> tuple:
         if self.context_parallel_size == 1 or not args:

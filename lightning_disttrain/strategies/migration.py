@@ -18,6 +18,7 @@ Import the class from ``lightning_disttrain.strategies`` instead of ``lightning.
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -154,7 +155,7 @@ class FSDPStrategy(NDParallelStrategy):
         activation_checkpointing: Any = None,
         **kwargs: Any,
     ) -> None:
-        ours = set(NDParallelStrategy.__init__.__code__.co_varnames)
+        ours = set(inspect.signature(NDParallelStrategy.__init__).parameters) - {"self"}
         foreign = sorted(k for k in kwargs if k not in ours)
         if foreign:
             raise ValueError(f"FSDPStrategy({', '.join(f'{k}=...' for k in foreign)}): FSDP1 arguments without an "
