@@ -2,7 +2,7 @@
 
     python multi_worker.py OUT_DIR DEVICES WORKER:RUN [WORKER:RUN ...]
 
-Each WORKER is a module in tests/strategies or tests/callbacks with ``fit_run(run, devices) ->
+Each WORKER is a module in tests/strategies, tests/callbacks or tests/planning with ``fit_run(run, devices) ->
 dict`` (fsdp2_worker, tp_worker, pp_worker, callbacks_worker, ...). ``L.Trainer(devices=DEVICES)``
 in the first run re-launches this script on the other ranks (Lightning's subprocess launcher); every later run reuses those
 processes and their process group, so the suite pays Python's and Lightning's start-up once per
@@ -21,7 +21,8 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE / "strategies"), str(HERE / "callbacks")]
+sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE / "strategies"), str(HERE / "callbacks"),
+                 str(HERE / "planning")]
 import torch.distributed as dist  # noqa: E402
 
 from dist_utils import write_rank_json  # noqa: E402

@@ -2,11 +2,17 @@
 points into ../shared, the CLI's expected failures are one short line naming the fix, `plan` says
 when and how nothing fits, `eval` works with its defaults, HF exports are world-readable.
 
-The CLI cases run the real command in a subprocess, as a user does."""
+The CLI cases that start a run (fit, eval), and one parser error, run the real command in a
+subprocess, as a user does; the other parser, export and plan errors call the same entry point
+(``lightning_disttrain.cli.main``) in this process (``_run_here``: same output and exit status,
+without ~4 s of interpreter and Lightning start-up each). Warnings a fresh interpreter prints on
+import are checked by tests/test_cli_errors.py::test_help_prints_no_warnings."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import os
 import re
 import stat
@@ -32,6 +38,25 @@ def _run(cwd: Path, *args: str, timeout: int = 300, env: dict | None = None) -> 
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run([sys.executable, "-m", "lightning_disttrain.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _run_here(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``lightning-disttrain ARGS`` through ``cli.main`` in this process, in ``cwd``: its exit
+    status (an uncaught exception is not caught: the test fails with it), stdout and stderr."""
+    from lightning_disttrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        for var in ("LDT_TRACEBACK", "LDT_DEBUG"):
+            mp.delenv(var, raising=False)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return subprocess.CompletedProcess(["lightning-disttrain", *args], code, out.getvalue(), err.getvalue())
 
 
 def _out(result: subprocess.CompletedProcess) -> str:
@@ -117,14 +142,14 @@ def _config(tmp_path: Path, **trainer) -> Path:
 def test_unknown_yaml_key_is_one_line_with_did_you_mean(tmp_path):
     path = _config(tmp_path)
     path.write_text(path.read_text().replace("max_steps:", "max_stepz:"))
-    text = _short_error(_run(tmp_path, "fit", "--config", str(path), timeout=120), max_lines=2)
+    text = _short_error(_run_here(tmp_path, "fit", "--config", str(path)), max_lines=2)
     assert "trainer.max_stepz" in text and "did you mean 'trainer.max_steps'" in text
 
 
 def test_misspelt_class_path_is_one_line_with_did_you_mean(tmp_path):
     path = _config(tmp_path)
     path.write_text(path.read_text().replace("lightning_disttrain.GPTModule", "lightning_disttrain.GPTModul"))
-    text = _short_error(_run(tmp_path, "fit", "--config", str(path), timeout=120), max_lines=2)
+    text = _short_error(_run_here(tmp_path, "fit", "--config", str(path)), max_lines=2)
     assert "did you mean 'lightning_disttrain.GPTModule'" in text
 
 
@@ -135,14 +160,14 @@ def test_unknown_strategy_name_suggests_ours(tmp_path):
 
 
 def test_export_of_a_missing_checkpoint_is_one_line(tmp_path):
-    text = _short_error(_run(tmp_path, "export", str(tmp_path / "nope"), "out.pt", timeout=120))
+    text = _short_error(_run_here(tmp_path, "export", str(tmp_path / "nope"), "out.pt"))
     assert text.startswith("error: export: ") and "does not exist" in text
 
 
 def test_export_of_a_corrupt_checkpoint_is_one_line(tmp_path):
     (tmp_path / "bad.ckpt").mkdir()
     (tmp_path / "bad.ckpt" / "manifest.json").write_text("{not json")
-    text = _short_error(_run(tmp_path, "export", "bad.ckpt", "out.pt", timeout=120))
+    text = _short_error(_run_here(tmp_path, "export", "bad.ckpt", "out.pt"))
     assert text.startswith("error: export: ") and "malformed" in text
 
 
@@ -158,7 +183,7 @@ def test_fit_from_a_corrupt_checkpoint_has_no_traceback(tmp_path):
 
 
 def test_plan_when_nothing_fits_says_how_many_gpus_would(tmp_path):
-    out = _run(tmp_path, "plan", "--model", "llama3-70b", "--gpu", "H100 SXM", "--nodes", "1", timeout=120)
+    out = _run_here(tmp_path, "plan", "--model", "llama3-70b", "--gpu", "H100 SXM", "--nodes", "1")
     assert out.returncode == 1, _out(out)[-3000:]
     assert "smallest cluster that fits" in out.stderr and "--nodes 4" in out.stderr
     assert "add GPUs, or shorten" not in _out(out)

@@ -1,8 +1,9 @@
 """End to end through L.Trainer on CPU/gloo: exact resume after a process restart, "last" with
 fallback, async saves, retention, resharding 4 -> 2 ranks, bad checkpoints, consolidated export.
 
-Five launches of ``scripts/ckpt_run.py`` (Lightning's launcher starts the other ranks), shared by
-the tests below through one module-scoped fixture:
+Three launches of ``scripts/ckpt_run.py`` (Lightning's launcher starts the other ranks: B, E and A
+train one after another in one 2-rank launch, C in a 4-rank one, D resumes in new processes), shared
+by the tests below through one module-scoped fixture:
 
 A  2 ranks, 12 steps, async saves every 3 steps (DCP writes slowed by 2 s), keep 2: the reference
 B  2 ranks, 6 steps, sync saves every 2 steps, keep 2: the run that is "interrupted"
@@ -56,6 +57,10 @@ def _launch(out: Path, *args: str, devices: int = 2, timeout: float = 240) -> li
         output, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} hung (killed after {timeout} s):\n{output[-6000:]}")
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-8000:]}"
+    return _ranks(out, devices)
+
+
+def _ranks(out: Path, devices: int = 2) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
 
 
@@ -84,10 +89,15 @@ def runs(tmp_path_factory):
     from harness import write_indexed_shard
 
     write_indexed_shard(root / "data")  # TokenDataModule reads it: window ids decodable from tokens
-    a = _launch(root / "a", "train", "--steps", "12", "--ckpt-dir", str(root / "a_ckpt"), "--every", "3",
-                "--top-k", "2", "--async-save", "--slow-write", str(SLOW_WRITE), "--logits")
+    # B, E and A in one launch (A last: its slowed writes stay slow for the rest of the process).
+    (root / "then.json").write_text(json.dumps([
+        ["--out", str(root / "e"), "--steps", str(E_STEPS), "--total-steps", str(E_STEPS), "--ckpt-dir",
+         str(root / "e_ckpt"), "--every", "1", "--top-k", "2", "--async-save", "--save-last", "true"],
+        ["--out", str(root / "a"), "--steps", "12", "--ckpt-dir", str(root / "a_ckpt"), "--every", "3",
+         "--top-k", "2", "--async-save", "--slow-write", str(SLOW_WRITE), "--logits"]]))
     b = _launch(root / "b", "train", "--steps", "6", "--ckpt-dir", str(root / "b_ckpt"), "--every", "2",
-                "--top-k", "2")
+                "--top-k", "2", "--then", str(root / "then.json"), timeout=400)
+    a, e = _ranks(root / "a"), _ranks(root / "e")
     listings = {name: sorted(p.name for p in (root / name).iterdir()) for name in ("a_ckpt", "b_ckpt")}
     link_targets = {name: (root / name / "last.ckpt").resolve().name for name in ("a_ckpt", "b_ckpt")}
     exported = export_consolidated(root / "a_ckpt" / "step=012.ckpt", root / "a_export.pt")
@@ -97,10 +107,6 @@ def runs(tmp_path_factory):
          "dump_state": True}]))
     c = _launch(root / "c", "train", "--steps", "4", "--ckpt-dir", str(root / "c_ckpt"), "--every", "4",
                 "--top-k", "1", "--dump-state", "--jobs", str(root / "c_jobs.json"), devices=4, timeout=300)
-    # E: async saves every step with save_last=True: a top-k save and a full "last" save back to back.
-    e = _launch(root / "e", "train", "--steps", str(E_STEPS), "--total-steps", str(E_STEPS), "--ckpt-dir", str(root / "e_ckpt"),
-                "--every", "1", "--top-k", "2", "--async-save", "--save-last", "true", timeout=300)
-
     # "last" whose newest checkpoint never completed: a copy of B without step 6's manifest.
     shutil.copytree(root / "b_ckpt", root / "fallback_ckpt", symlinks=True)
     (root / "fallback_ckpt" / "step=006.ckpt" / MANIFEST_NAME).unlink()

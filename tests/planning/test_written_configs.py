@@ -3,16 +3,15 @@ recommends (DDP, ZeRO-2, FSDP2, HSDP, TP, PP 1F1B and interleaved, TP + PP of bo
 with each checkpointing policy it offers), for a tiny model on a `cpu` cluster of 2-4 ranks, fitted 2 steps
 through the CLI; and the strategy and the plan read the same schedule from one YAML.
 
-The fits override only what a test machine needs: 2 steps, the embedded byte corpus instead of
+The fits run inside the suite's shared 2- and 4-rank launches (tests/conftest.py) through
+``DistTrainCLI``, the class behind ``lightning-disttrain fit --config``
+(tests/planning/written_config_worker.py): one Python and Lightning start-up per world size instead
+of one per YAML. They override only what a test machine needs: 2 steps, the embedded byte corpus instead of
 the placeholder source, no validation set, and all ranks on this one host (``num_nodes: 1`` with
 ``devices`` = the cluster's world size: a 2 x 2 cluster runs as 4 local processes, the same mesh).
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -64,14 +63,14 @@ def _kind(layout) -> tuple:
             layout.pipeline.schedule if layout.pp > 1 else None, layout.ep > 1)
 
 
-def _plan_args(model, gpus, nodes):
+def plan_args(model, gpus, nodes):
     return ["plan", "--model", model, *PLAN, "--gpus-per-node", str(gpus), "--nodes", str(nodes)]
 
 
 def _written(tmp_path, name, capsys) -> tuple[dict, str]:
     model, gpus, nodes, layout, _ = RUNS[name]
     path = tmp_path / f"{name}.yaml"
-    main([*_plan_args(model, gpus, nodes), "--write-config", str(path), "--layout", layout])
+    main([*plan_args(model, gpus, nodes), "--write-config", str(path), "--layout", layout])
     assert f"wrote {path}" in capsys.readouterr().out
     return yaml.safe_load(path.read_text()), str(path)
 
@@ -131,24 +130,18 @@ def test_a_layout_that_cannot_run_is_not_written(tmp_path, capsys):
     assert "cannot be written" in err and "cannot run: pp_microbatches=2 is fewer than the 4 pipeline stages" in err
 
 
-@pytest.mark.slow
+WORKER = "written_config_worker"
+LAUNCH: dict[int, list[str]] = {}
+for _name, (_, _gpus, _nodes, *_) in RUNS.items():
+    LAUNCH.setdefault(_gpus * _nodes, []).append(_name)
+
+
 @pytest.mark.parametrize("name", list(RUNS))
-def test_written_config_fits_two_steps(tmp_path, capsys, name):
-    config, path = _written(tmp_path, name, capsys)
-    trainer = config["trainer"]
-    world = trainer["devices"] * trainer["num_nodes"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_disttrain.cli", "fit", "--config", path, "--trainer.max_steps", "2",
-         "--trainer.num_nodes", "1", "--trainer.devices", str(world), "--trainer.enable_progress_bar", "false",
-         "--data.init_args.source", "embedded", "--data.init_args.tokenizer", "bytes",
-         "--data.init_args.val_batches", "0", "--data.init_args.cache_dir", str(tmp_path / "cache"),
-         "--data.init_args.max_docs", "60"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
-    assert "`Trainer.fit` stopped: `max_steps=2` reached." in text
-    expected = RUNS[name][4]
+def test_written_config_fits_two_steps(launched, name):
+    _, gpus, nodes, *_, expected = RUNS[name]
+    ranks = launched(WORKER, gpus * nodes)[name]
+    assert [r["steps"] for r in ranks] == [2] * gpus * nodes  # `max_steps=2` reached on every rank
+    text = "\n".join(ranks[0]["log"] + ranks[0]["layout"])
     if expected:
         assert expected in text, text[-4000:]
 

@@ -6,6 +6,11 @@ Lightning's subprocess launcher re-runs this script once per rank. Every rank wr
     python ckpt_run.py train  --data SHARDS --out OUT --devices 2 --steps 12 --ckpt-dir DIR [--async-save] ...
     python ckpt_run.py resume --data SHARDS --out OUT --devices 2 --jobs JOBS.json
 
+``train --then RUNS.json`` trains again in the same processes after the first run, once per entry
+(a list of further ``train`` arguments, each with its own ``--out``): several independent trainings
+pay Python's and Lightning's start-up once. ``--slow-write`` slows every DCP write from then on, so
+a run that uses it goes last.
+
 ``resume`` runs several fits in one process (one per job in JOBS.json: resume from a path or
 "last", or expect a failure); each records its losses, sample ids or error message.
 """
@@ -158,7 +163,7 @@ def _slow_down_writes(seconds: float) -> None:
     filesystem._FileSystemWriter.write_data = slow
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("command", choices=("train", "resume"))
     p.add_argument("--out", required=True)
@@ -175,11 +180,26 @@ def main() -> None:
     p.add_argument("--logits", action="store_true", help="save logits on a fixed input after training")
     p.add_argument("--dump-state", action="store_true", help="save the full state after training")
     p.add_argument("--jobs", default=None, help="resume jobs (resume; with train: run after training)")
+    p.add_argument("--then", default=None, help="train: JSON list of argument lists, trained after this run")
     p.add_argument("--data", required=True, help="directory of token shards (harness.write_indexed_shard)")
-    args = p.parse_args()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    rank, result = cmd_train(args) if args.command == "train" else cmd_resume(args)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result))
+    return p
+
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    runs = [args]
+    if args.then:
+        if args.command != "train":
+            parser.error("--then goes with train")
+        for more in json.loads(Path(args.then).read_text()):
+            runs.append(parser.parse_args(["train", *more, "--data", args.data, "--devices", str(args.devices)]))
+    for run in runs:
+        if run.slow_write and run is not runs[-1]:
+            parser.error("--slow-write slows every later save too: give it to the last run only")
+        Path(run.out).mkdir(parents=True, exist_ok=True)
+        rank, result = cmd_train(run) if run.command == "train" else cmd_resume(run)
+        (Path(run.out) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
