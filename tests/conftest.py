@@ -16,10 +16,17 @@ torch.set_num_threads(int(os.environ.get("LDT_TEST_THREADS", "1")))
 
 # ---- one launch per world size for the multi-rank training runs ----------------------------
 # A test module declares ``WORKER`` (the worker module's name) and ``LAUNCH = {devices: [run, ...]}``;
-# its fixtures ask ``launched(WORKER, devices)`` for ``{run: [rank results]}``. The first request
-# for a world size starts ``multi_worker.py`` once with the runs of every *selected* module that
-# needs that size (running one test file launches only its own runs), so the suite pays Python's
-# and Lightning's start-up once per world size instead of once per worker.
+# its fixtures ask ``launched(WORKER, devices)`` for ``{run: [rank results]}``. ``multi_worker.py``
+# starts once per world size with the runs of every *selected* module that needs that size (running
+# one test file launches only its own runs), so the suite pays Python's and Lightning's start-up
+# once per world size instead of once per worker.
+#
+# The launches start in the background when the first test runs (one at a time: 2, 4, then 8
+# ranks), and the tests are ordered so that the in-process tests run first, beside them (they use
+# one thread, the launches' ranks the other core), then the tests that read the launches, then the
+# other multi-process tests, which run alone as before.
+
+import threading  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -31,12 +38,20 @@ _NEEDED: dict[int, list[tuple[str, str]]] = {}
 _LAUNCH_FIXTURES = {"launched", "two", "four"}
 
 
+def _order(item) -> int:
+    """0: in-process tests; 1: tests reading the shared launches; 2: other slow (multi-process) tests."""
+    if _LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return 1
+    return 2 if item.get_closest_marker("slow") else 0
+
+
 def pytest_collection_modifyitems(config, items):
     # Every test that waits on a multi-rank launch is ``slow``: ``-m "not slow"`` (README, the
     # development subset) then starts no launch at all.
     for item in items:
         if _LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=_order)  # stable: file order within each group
 
 
 def pytest_collection_finish(session):  # the selected items, after -k / -m deselection
@@ -68,29 +83,72 @@ def _launch_once(out: Path, devices: int, jobs: list[tuple[str, str]]) -> tuple[
                            f"failed runs:{details or ' none recorded (a rank died without a Python error)'}")
 
 
-@pytest.fixture(scope="session")
-def launched(tmp_path_factory):
-    done: dict[int, Path] = {}
+class _Launch:
+    """One world size's launch, run by the background thread: its directory, or its failure."""
 
-    def get(worker: str, devices: int) -> dict[str, list[dict]]:
-        jobs = _NEEDED.get(devices, [])
-        if devices not in done:
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+        self.out: Path | None = None
+        self.error: str | None = None
+        self.rerun: str | None = None
+        """Why it ran twice (a rank vanished without an error of its own the first time)."""
+
+    def run(self, tmp_path_factory, devices: int, jobs: list[tuple[str, str]]) -> None:
+        try:
             out = tmp_path_factory.mktemp(f"ranks{devices}")
             failure = _launch_once(out, devices, jobs)
             if failure and not failure[0]:
                 # A rank disappeared without an error of its own (seen once in CI, not reproduced
-                # here): say so loudly and run the launch once more; an error raised by a run
+                # here): run the launch once more, and say so loudly; an error raised by a run
                 # itself, or a second failure, fails the tests.
-                import warnings
-
-                warnings.warn(f"the {devices}-rank launch failed without an error of its own and was run "
-                              f"again:\n{failure[1][-6000:]}", stacklevel=1)
+                self.rerun = failure[1][-6000:]
                 out = tmp_path_factory.mktemp(f"ranks{devices}_again")
                 failure = _launch_once(out, devices, jobs)
-            if failure:
-                raise AssertionError(failure[1])
-            done[devices] = out
-        return {run: read_ranks(done[devices], f"{w}.{run}", devices) for w, run in jobs if w == worker}
+            self.out, self.error = out, failure[1] if failure else None
+        except BaseException as e:  # noqa: BLE001  (reported by the tests that wait for it)
+            self.error = f"the {devices}-rank launch did not run: {type(e).__name__}: {e}"
+        finally:
+            self.finished.set()
+
+
+_LAUNCHES: dict[int, _Launch] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_launches(tmp_path_factory):
+    """Start every needed launch, one after another, in a thread beside the first tests."""
+    for devices in sorted(_NEEDED):
+        _LAUNCHES[devices] = _Launch()
+
+    def run_all() -> None:
+        for devices in sorted(_NEEDED):
+            _LAUNCHES[devices].run(tmp_path_factory, devices, _NEEDED[devices])
+
+    thread = threading.Thread(target=run_all, name="ldt-launches", daemon=True)
+    if _NEEDED:
+        thread.start()
+    yield
+    if thread.is_alive():
+        thread.join(timeout=1)  # an interrupted session: the launches' own timeouts end them
+
+
+@pytest.fixture(scope="session")
+def launched():
+    def get(worker: str, devices: int) -> dict[str, list[dict]]:
+        launch = _LAUNCHES.get(devices)
+        if launch is None:
+            raise AssertionError(f"no {devices}-rank launch was planned: does the module declare LAUNCH?")
+        launch.finished.wait()
+        if launch.rerun is not None:
+            import warnings
+
+            rerun, launch.rerun = launch.rerun, None  # said once
+            warnings.warn(f"the {devices}-rank launch failed without an error of its own and was run "
+                          f"again:\n{rerun}", stacklevel=1)
+        if launch.error is not None:
+            raise AssertionError(launch.error)
+        jobs = _NEEDED[devices]
+        return {run: read_ranks(launch.out, f"{w}.{run}", devices) for w, run in jobs if w == worker}
 
     return get
 

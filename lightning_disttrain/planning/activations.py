@@ -41,6 +41,21 @@ stream and the norms hold 1/t of the sequence, the attention / MLP inputs are al
       are recomputed), and under expert parallel the all-to-all outputs 2*k'*e*h.
     full: the block input, e*h/t. block (every_k): full for layers 0, k, 2k, ..., none for the rest.
 
+Context parallel (``cp`` > 1, ``models/context_parallel.py``): per token of the rank's shard (1/cp
+of each sequence) the terms above, plus the keys and values gathered from the cp ranks, and the
+attention output's concatenation of the rank's two chunks::
+
+    none       + e*2*kv*(cp - 1)/t + e*h/t     the whole sequence's K/V (reordered; the local ones
+                                               are freed) and the concatenated output
+    selective  + e*2*kv*cp/t                   the all-gather's output (a collective: kept)
+    full       + 0
+
+and per block, not per token (``layer_constant``; none only): the gathered order's int64 index
+(8*s) and, on the CPU, the causal masks SDPA materialises for the rank's two chunks
+(e x chunk^2 x (2cp + 1) on every rank but the first, chunk = s / 2cp; GPU kernels take
+``CausalBias`` without a mask). Measured on 2 and 4 gloo ranks to the byte
+(tests/strategies/cp_worker.py).
+
 While a checkpointed block is recomputed in backward, it holds everything it recomputes (its
 "none" bytes) besides what the blocks before it stored, and the gradients in flight: so with
 checkpointing the peak can be in backward (``backward_peak``) rather than at the forward's end.
@@ -93,15 +108,46 @@ def routed_assignments(shape: ModelShape) -> float:
 
 
 def layer_bytes(shape: ModelShape, layer: int, *, policy: str = "none", e: int = 2, t: int = 1, ep: int = 1,
-                cpu: bool = False, flash: bool = True, seq_len: int | None = None) -> float:
+                cp: int = 1, cpu: bool = False, flash: bool = True, seq_len: int | None = None) -> float:
     """Bytes per token block ``layer`` keeps for backward under the checkpointing ``policy``
-    (``selective``, ``full`` or ``none``; a ``block`` policy is ``full`` or ``none`` per layer)."""
+    (``selective``, ``full`` or ``none``; a ``block`` policy is ``full`` or ``none`` per layer);
+    under context parallel, per token of the rank's shard."""
     if policy not in ("none", "selective", "full"):
         raise ValueError(f"policy={policy!r}: per layer use 'none', 'selective' or 'full' ('block' is one of the "
                          f"two for each layer: see stage_bytes)")
-    h, a, kv = shape.n_embd, shape.n_head, shape.kv_dim
     if policy == "full":
-        return e * h / t
+        return e * shape.n_embd / t
+    return _block_bytes(shape, layer, policy, e, t, ep, cpu, flash, seq_len) + _gathered_bytes(shape, policy, e, t, cp)
+
+
+def _gathered_bytes(shape: ModelShape, policy: str, e: int, t: int, cp: int) -> float:
+    """Context parallel's additions per token of the shard (see the module docstring)."""
+    if cp == 1 or policy == "full":
+        return 0.0
+    if policy == "selective":
+        return e * 2 * shape.kv_dim * cp / t
+    return e * 2 * shape.kv_dim * (cp - 1) / t + e * shape.n_embd / t
+
+
+def layer_constant(shape: ModelShape, layer: int, *, policy: str = "none", e: int = 2, cp: int = 1,
+                   cpu: bool = False, seq_len: int | None = None, **_) -> float:
+    """Bytes block ``layer`` keeps for backward that do not grow with the batch: under context
+    parallel with no checkpointing, the gathered order's index and, on the CPU, its attention masks."""
+    if cp == 1 or policy != "none":
+        return 0.0
+    s = seq_len or shape.seq_len
+    chunk = s / (2 * cp)
+    return 8 * s + (e * chunk * chunk * (2 * cp + 1) if cpu else 0.0)
+
+
+def stage_constant(shape: ModelShape, layers, policy: str = "none", every_k: int = 2, **kw) -> float:
+    """``layer_constant`` summed over the blocks ``layers`` under a model-wide ``policy``."""
+    return sum(layer_constant(shape, i, policy=checkpointed(policy, i, every_k), **kw) for i in layers)
+
+
+def _block_bytes(shape: ModelShape, layer: int, policy: str, e: int, t: int, ep: int, cpu: bool, flash: bool,
+                 seq_len: int | None) -> float:
+    h, a, kv = shape.n_embd, shape.n_head, shape.kv_dim
     moe = shape.is_moe_layer(layer)
     scores = 0.0 if flash else 5 * a * (seq_len or shape.seq_len) * e / 2 / t
     if policy == "none":

@@ -1,6 +1,7 @@
 """The recommended layout as a LightningCLI YAML (``lightning-disttrain plan --write-config``).
 
-Degrees go to ``NDParallelStrategy`` (DDP to Lightning's ``ddp``), the ZeRO stage to
+Degrees go to ``NDParallelStrategy`` (DDP to Lightning's ``ddp``; context parallel to ``cp``, each
+sequence of the data module's batch split over the cp ranks), the ZeRO stage to
 ``reshard_after_forward``, a pipeline's schedule arguments to ``pp_schedule`` / ``pp_microbatches`` /
 ``pp_stages_per_rank`` (the ones the plan's pipeline terms were computed from), the activation
 checkpointing policy to ``SelectiveActivationCheckpointing(policy, every_k)``, fp8 to
@@ -37,7 +38,8 @@ def strategy_config(layout: Layout) -> str | dict:
     """``trainer.strategy`` for ``layout``."""
     if layout.zero == 0:
         return "ddp"
-    init: dict = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep") if getattr(layout, k) > 1}
+    init: dict = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+                  if getattr(layout, k) > 1}
     init["dp_shard"] = layout.dp_shard
     if layout.zero == 2:
         init["reshard_after_forward"] = False
@@ -144,10 +146,10 @@ def layout_from_config(config: dict) -> tuple[Layout, int]:
     if not isinstance(strategy, dict) or strategy.get("class_path", "").rsplit(".", 1)[-1] != "NDParallelStrategy":
         raise ValueError(f"trainer.strategy {strategy!r}: the planner reads ddp, fsdp2 and NDParallelStrategy")
     init = strategy.get("init_args") or {}
-    degrees = {k: int(init.get(k, 1)) for k in ("dp_replicate", "tp", "pp", "ep")}
+    degrees = {k: int(init.get(k, 1)) for k in ("dp_replicate", "tp", "cp", "pp", "ep")}
     dp_shard = int(init.get("dp_shard", -1))
     if dp_shard == -1:
-        dp_shard = world // (degrees["dp_replicate"] * degrees["tp"] * degrees["pp"])
+        dp_shard = world // (degrees["dp_replicate"] * degrees["tp"] * degrees["cp"] * degrees["pp"])
     reshard = init.get("reshard_after_forward", True)
     return Layout(**degrees, dp_shard=dp_shard, zero=3 if reshard is True else 2, ac=ac, ac_every_k=every_k,
                   pp_schedule=init.get("pp_schedule", "1F1B"), pp_microbatches=init.get("pp_microbatches"),

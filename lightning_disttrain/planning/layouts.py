@@ -2,10 +2,11 @@
 
 The order is the one a practitioner climbs: DDP; FSDP2 (ZeRO-2, then HSDP across nodes, then
 ZeRO-3); for a mixture of experts, expert parallel; then activation checkpointing (selective, then
-full); then tensor parallel inside a node (2, 4, 8, with sequence parallel); then pipeline parallel
-across nodes (1F1B, then Interleaved1F1B with 2 stages per rank). ZeRO-1 is shown for the
-arithmetic but not recommended: FSDP2 has no optimizer-only sharding, and ZeRO-2 costs the same
-communication.
+full); then tensor parallel inside a node (2, 4, 8, with sequence parallel); then context parallel
+inside a node (2, 4, 8; alone and with the widest tensor parallel beside it), for sequences whose
+activations do not fit otherwise; then pipeline parallel across nodes (1F1B, then Interleaved1F1B
+with 2 stages per rank). ZeRO-1 is shown for the arithmetic but not recommended: FSDP2 has no
+optimizer-only sharding, and ZeRO-2 costs the same communication.
 
 A pipeline layout carries the strategy's schedule arguments: each data-parallel rank's share of the
 global batch, ``global_batch / (dp x micro_batch)`` micro-batches, runs as one schedule step
@@ -120,6 +121,15 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster,
     for t in tps:
         for ac in ("none", "selective", "full"):
             out.append((Layout(dp_shard=N // t, tp=t, zero=3, ac=ac), "", True))
+    # context parallel inside a node (its K/V all-gather every block), alone and beside the widest
+    # tensor parallel that still fits the node: it divides every sequence-length term by cp
+    for c in _divisors_in((2, 4, 8), G):
+        if shape.seq_len % (2 * c):
+            continue  # the strategy splits each sequence into 2 x cp load-balanced chunks
+        with_tp = [t for t in tps if c * t <= G]
+        for t in [1] + with_tp[-1:]:
+            for ac in ("none", "selective", "full"):
+                out.append((Layout(dp_shard=N // (c * t), tp=t, cp=c, zero=3, ac=ac), "", True))
     pps = [p for p in _divisors_in((2, 4, 8, 16, 32, 64), M) if p <= shape.n_layer]
     tp_max = tps[-1] if tps else 1
     workload = workload or Workload(shape.seq_len, N, 1)

@@ -34,6 +34,9 @@ comparison, is ``activation_bytes_per_layer``::
 dropout; for SwiGLU, grouped-query attention, MoE and this package's selective policy (which keeps
 matmul outputs and recomputes the rest) the derived terms differ by 20-30%.
 
+Context parallel divides every per-token term by cp (a rank holds 1/cp of each sequence) and adds
+the gathered keys and values per block (``activations``: measured to the byte on 2 and 4 ranks).
+
 Logits: s*b*V/t elements (the head is vocabulary-parallel under tp, with loss parallel), each
 10 B in 16-bit training (bf16 logits 2 + the fp32 copy the cross-entropy reads 4 + its fp32
 gradient 4) and 12 B in fp32 (logits, log-softmax output, gradient); a pipeline's last stage holding
@@ -59,7 +62,9 @@ from dataclasses import asdict, dataclass
 from lightning_disttrain.planning.activations import (
     backward_peak,
     head_bytes,
+    layer_constant,
     stage_bytes,
+    stage_constant,
 )
 from lightning_disttrain.planning.model_shape import ModelShape
 from lightning_disttrain.planning.pipeline import RankStages, rank_stages
@@ -216,7 +221,7 @@ def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster:
     fsdp = runs_fsdp(layout, workload.precision)
     z = layout.zero if fsdp or layout.zero == 0 else 0
     shard = layout.shard if fsdp else 1
-    expert_shard = layout.dp_shard // layout.ep if fsdp else 1
+    expert_shard = layout.expert_shard if fsdp else 1
 
     def part(bytes_of) -> float:
         return dense * bytes_of(shard) + experts * bytes_of(expert_shard)
@@ -226,15 +231,18 @@ def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster:
     optimizer = part(lambda n: (sb.master + sb.moments) / n if z >= 1 else sb.master + sb.moments)
 
     s, b, t = workload.seq_len, workload.micro_batch, layout.tp
-    tokens = s * b
+    tokens = s * b / layout.cp  # this rank's: context parallel splits every sequence over cp ranks
     e = ACTIVATION_BYTES[workload.precision]
     cpu = cluster.gpu == "cpu"
-    kw = dict(e=e, t=t, ep=layout.ep, cpu=cpu, flash=workload.flash, seq_len=s)
+    kw = dict(e=e, t=t, ep=layout.ep, cp=layout.cp, cpu=cpu, flash=workload.flash, seq_len=s)
     ac, k = layout.ac, layout.ac_every_k
     per_chunk = max(stage_bytes(shape, stage, ac, k, **kw) for stage in rs.layers)
     if layout.pp > 1 and not rs.last:
         per_chunk += e * shape.n_embd / t  # the stage's output, kept for its send and its backward
     recomputing = max(backward_peak(shape, stage, ac, k, **kw) for stage in rs.layers)
+    # what does not grow with the batch (context parallel's index and CPU masks), per held forward
+    fixed = max(stage_constant(shape, stage, ac, k, **kw) for stage in rs.layers)
+    refixed = max(layer_constant(shape, i, policy="none", **kw) for i in rs.all_layers) if recomputing else 0.0
     head = logit_held = 0.0
     if rs.last:
         head = tokens * head_bytes(shape, e, t, cpu)
@@ -242,9 +250,10 @@ def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster:
     logit_grad = tokens * shape.vocab / t * LOGIT_GRAD_BYTES if rs.last else 0.0
     # the forward's end (and the loss's backward): every held micro-batch's blocks, head and logits,
     # one logits gradient; or a recomputed block's backward, the other held micro-batches beside it
-    at_loss = tokens * rs.inflight * per_chunk + rs.last_inflight * head, rs.last_inflight * logit_held + logit_grad
-    in_backward = (tokens * ((rs.inflight - 1) * per_chunk + recomputing) + (rs.last_inflight - 1) * head,
-                   (rs.last_inflight - 1) * logit_held)
+    at_loss = (tokens * rs.inflight * per_chunk + rs.inflight * fixed + rs.last_inflight * head,
+               rs.last_inflight * logit_held + logit_grad)
+    in_backward = (tokens * ((rs.inflight - 1) * per_chunk + recomputing) + rs.inflight * fixed + refixed
+                   + (rs.last_inflight - 1) * head, (rs.last_inflight - 1) * logit_held)
     activations, logits = max(at_loss, in_backward, key=sum)
 
     compute_bytes = 4 if workload.precision == "fp32" else 2

@@ -99,7 +99,7 @@ def _pipeline(c: Candidate) -> dict | None:
 
 def _degrees(c: Candidate) -> dict:
     layout = c.layout
-    return {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")}
+    return {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")}
 
 
 def checkpoint_seconds_estimate(shape: ModelShape, workload: Workload, nodes: int) -> float:

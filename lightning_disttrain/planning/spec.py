@@ -83,7 +83,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to lay the model out: the degrees of ``NDParallelStrategy`` plus the ZeRO stage, the
+    """One way to lay the model out: the degrees of ``NDParallelStrategy`` (``cp``: context parallel,
+    each sequence split over ``cp`` ranks that FSDP also shards over) plus the ZeRO stage, the
     activation checkpointing policy and, with ``pp > 1``, the strategy's pipeline arguments.
     ``zero``: 0 = DDP (nothing sharded), 1 = optimizer state sharded, 2 = + gradients (FSDP2
     ``reshard_after_forward=False``), 3 = + parameters (FSDP2). ``ac``: the policy of
@@ -95,6 +96,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     zero: int = 3
     ac: str = "none"
     ac_every_k: int = 2
@@ -107,15 +109,16 @@ class Layout:
     """``NDParallelStrategy(pp_stages_per_rank=...)``; None: the strategy's default for the schedule."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Layout.{name}={getattr(self, name)} must be >= 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Layout.zero={self.zero} must be 0 (DDP), 1, 2 or 3")
         if self.ac not in AC_POLICIES:
             raise ValueError(f"Layout.ac={self.ac!r} is unknown; use one of {AC_POLICIES}")
-        if self.dp_shard % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp_shard={self.dp_shard} (experts borrow FSDP ranks)")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp} (experts borrow FSDP "
+                             f"ranks)")
         if not isinstance(self.ac_every_k, int) or self.ac_every_k < 1:
             raise ValueError(f"Layout.ac_every_k={self.ac_every_k!r} must be an int >= 1")
         if self.pp > 1:
@@ -133,7 +136,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
     def dp(self) -> int:
@@ -142,8 +145,14 @@ class Layout:
 
     @property
     def shard(self) -> int:
-        """Ranks a dense parameter is sharded over (ZeRO)."""
-        return self.dp_shard if self.zero else 1
+        """Ranks a dense parameter is sharded over (ZeRO): ``dp_shard`` x ``cp`` (the strategy's
+        ``dp_shard_cp``: a cp group's ranks hold the same weights and average their gradients)."""
+        return self.dp_shard * self.cp if self.zero else 1
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks a routed expert's parameters are sharded over: ``dp_shard`` x ``cp`` / ``ep``."""
+        return self.dp_shard * self.cp // self.ep if self.zero else 1
 
     @property
     def name(self) -> str:
@@ -155,6 +164,8 @@ class Layout:
             parts = [f"ZeRO-{self.zero} x{self.dp_shard}" if self.zero < 3 else f"FSDP2 x{self.dp_shard}"]
         if self.tp > 1:
             parts.append(f"TP {self.tp}")
+        if self.cp > 1:
+            parts.append(f"CP {self.cp}")
         if self.pp > 1:
             o = self.pipeline
             v = f" v{o.local_stages}" if o.local_stages > 1 else ""

@@ -1,7 +1,7 @@
 """Step time, tokens/s, training hours and cost from FLOPs per token, an assumed MFU and the
 layout's communication.
 
-    step time = compute + recompute + pipeline bubble + exposed TP / PP / EP / data-parallel communication
+    step time = compute + recompute + pipeline bubble + exposed TP / CP / PP / EP / data-parallel communication
 
 ``step_terms`` names each term (seconds per optimizer step, on the most loaded rank):
 
@@ -18,6 +18,10 @@ layout's communication.
   (no async TP).
 - pp: each micro-batch's s·b·h/t boundary activations, sent forward and its gradient back, on the
   inter-node links, on the critical path for the m + p - 1 slots of the schedule.
+- cp: context parallel's all-gather of every block's keys and values (2·kv_dim per token of the
+  whole sequence, (cp - 1)/cp of it arriving at each rank) in forward, and the reduce-scatter of
+  their gradients in backward (an all-gather again when the block is recomputed); exposed (the
+  gather is not overlapped with the attention).
 - ep: the dispatch and the combine all-to-all of k'·s·b·h per MoE block and micro-batch, forward and
   backward, (ep - 1)/ep of it leaving each rank; exposed.
 - dp: FSDP's all-gathers (forward and backward of every micro-step; ZeRO-2: forward only) and
@@ -154,14 +158,20 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
         k = routed_assignments(shape)
         expert_fwd = 2 * k * (shape.expert_params / shape.num_experts) * tokens / (N * peak * mfu)
         recompute += expert_fwd
-    # per data-parallel rank and step: micro-batches of s x b tokens
-    micro = workload.micro_batch * workload.seq_len  # tokens of one micro-batch
+    # per data-parallel rank and step: micro-batches of s x b tokens, of which a cp rank holds 1/cp
+    whole = workload.micro_batch * workload.seq_len  # tokens of one micro-batch
+    micro = whole / layout.cp
     microsteps = accumulation * layout.microbatches
     tp_comm = 0.0
     if t > 1:
         per_block = 4 * _ring(t) * micro * shape.n_embd * e  # 2 all-gathers + 2 reduce-scatters
         passes = 2 + (1 if layout.ac in ("full", "block") else 0) * full / shape.n_layer
         tp_comm = per_block * passes * layers * microsteps / (intra if t <= G else inter)
+    cp_comm = 0.0
+    if layout.cp > 1:
+        per_block = _ring(layout.cp) * whole * 2 * shape.kv_dim / t * e  # the gathered K and V
+        passes = 2 + (1 if layout.ac in ("full", "block") else 0) * full / shape.n_layer
+        cp_comm = per_block * passes * layers * microsteps / (intra if layout.cp * t <= G else inter)
     ep_comm = 0.0
     if ep > 1:
         moe_blocks = sum(1 for i in range(shape.n_layer) if shape.is_moe_layer(i)) * layers / shape.n_layer
@@ -173,7 +183,7 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
         m = layout.microbatches
         pp_comm = 2 * (m + p - 1) * accumulation * msg / (inter if G < N else intra)
     dense, experts = local_params(shape, layout)
-    n = layout.dp_shard
+    n = layout.dp_shard * layout.cp  # FSDP shards over dp_shard x cp
     shard_bw = intra if n * t * p <= G or (layout.dp_replicate > 1 and n * t <= G) else inter
     dp_comm = 0.0
     if layout.zero == 0:
@@ -186,10 +196,10 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
         if layout.dp_replicate > 1:
             dp_comm += 2 * _ring(layout.dp_replicate) * (dense / n + experts / max(1, n // ep)) * 4 / inter
     dp_exposed = max(0.0, dp_comm - compute)
-    busy = compute + recompute + tp_comm + ep_comm
+    busy = compute + recompute + tp_comm + cp_comm + ep_comm
     bubble = pipeline_bubble(layout.pipeline, p) * busy if p > 1 else 0.0
-    terms = {"compute": compute, "recompute": recompute, "bubble": bubble, "tp": tp_comm, "pp": pp_comm,
-             "ep": ep_comm, "dp": dp_exposed}
+    terms = {"compute": compute, "recompute": recompute, "bubble": bubble, "tp": tp_comm, "cp": cp_comm,
+             "pp": pp_comm, "ep": ep_comm, "dp": dp_exposed}
     seconds = sum(terms.values())
     return Throughput(seconds, tokens / seconds, mfu, peak, flops, terms)
 

@@ -100,5 +100,5 @@ def test_inputs_are_checked_with_the_fix():
         Cluster("cpu")
     with pytest.raises(ValueError, match="precision='fp4' is unknown"):
         Workload(1024, 8, precision="fp4")
-    with pytest.raises(ValueError, match="ep=3 must divide dp_shard=8"):
+    with pytest.raises(ValueError, match="ep=3 must divide dp_shard\\*cp=8"):
         Layout(dp_shard=8, ep=3)

@@ -129,11 +129,27 @@ def test_recommendation_keeps_headroom_for_the_planners_error(capsys):
 
 
 def test_thin_headroom_is_said_when_nothing_has_more(capsys):
-    # gpt2-1558m (25 heads: no TP) at seq 1024, micro batch 8 on 8 x 13 GB: only FSDP2 x8 + AC full
-    # fits, with 0.7 GB to spare, under 10% of the 11.7 GB usable
-    out = _plan(["--model", "gpt2-1558m", "--seq-len", "1024", "--global-batch", "64", "--micro-batch", "8",
+    # gpt2-1558m (25 heads: no TP) at seq 1022 (not a multiple of 2 x cp: no context parallel),
+    # micro batch 8 on 8 x 13 GB: only FSDP2 x8 + AC full fits, with 0.8 GB to spare, under 10% of
+    # the 11.7 GB usable
+    out = _plan(["--model", "gpt2-1558m", "--seq-len", "1022", "--global-batch", "64", "--micro-batch", "8",
                  "--gpu-memory", "13"], capsys)
     assert out["recommendation"] == "FSDP2 x8 + AC full"
     assert not any(x["safe"] for x in out["layouts"])
     assert "is the simplest layout that fits, but with little headroom" in out["reason"]
     assert "measure the first steps' peak before a long run" in out["reason"]
+
+
+def test_context_parallel_is_suggested_when_the_sequence_leaves_too_little_room(capsys):
+    # the same model at seq 1024: splitting each sequence over 2 ranks halves the activations and
+    # the logits, and FSDP2 x4 + CP 2 + AC full fits with 3.5 GB to spare where FSDP2 x8 + AC full
+    # has 0.7 GB
+    out = _plan(["--model", "gpt2-1558m", "--seq-len", "1024", "--global-batch", "64", "--micro-batch", "8",
+                 "--gpu-memory", "13"], capsys)
+    assert out["recommendation"] == "FSDP2 x4 + CP 2 + AC full"
+    assert "simpler layouts fit with less to spare: FSDP2 x8 + AC full (0.7 GB)" in out["reason"]
+    chosen = next(x for x in out["layouts"] if x["name"] == "FSDP2 x4 + CP 2 + AC full")
+    thin = next(x for x in out["layouts"] if x["name"] == "FSDP2 x8 + AC full")
+    assert chosen["degrees"]["cp"] == 2 and chosen["terms_seconds"]["cp"] > 0  # the K/V all-gathers
+    assert chosen["memory_gb"]["activations"] == pytest.approx(thin["memory_gb"]["activations"] / 2, rel=0.01)
+    assert chosen["memory_gb"]["logits"] == pytest.approx(thin["memory_gb"]["logits"] / 2, rel=1e-6)

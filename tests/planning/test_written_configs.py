@@ -1,5 +1,5 @@
 """Every YAML `plan --write-config` writes runs as written: one per layout class the planner
-recommends (DDP, ZeRO-2, FSDP2, HSDP, TP, PP 1F1B and interleaved, TP + PP of both schedules, EP,
+recommends (DDP, ZeRO-2, FSDP2, HSDP, TP, CP, TP + CP, PP 1F1B and interleaved, TP + PP of both schedules, EP,
 with each checkpointing policy it offers), for a tiny model on a `cpu` cluster of 2-4 ranks, fitted 2 steps
 through the CLI; and the strategy and the plan read the same schedule from one YAML.
 
@@ -52,6 +52,8 @@ RUNS = {
                    "pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 8 micro-batches"),
     "tp-pp-interleaved": ("tiny", 2, 2, "FSDP2 x1 + TP 2 + PP 2 (Interleaved1F1B v2, 8 mb) + AC full",
                           "pipeline: Interleaved1F1B, 4 stages of 4 blocks [1, 1, 1, 1], 8 micro-batches"),
+    "cp": ("tiny", 2, 1, "FSDP2 x1 + CP 2", "context_parallel: cp=2"),
+    "tp-cp-selective": ("tiny", 4, 1, "FSDP2 x1 + TP 2 + CP 2 + AC selective", "context_parallel: cp=2"),
     "ep": ("tiny-moe", 2, 1, "FSDP2 x2 + EP 2", "expert_parallel: ep=2"),
     "ep-full": ("tiny-moe", 2, 1, "FSDP2 x2 + EP 2 + AC full", "expert_parallel: ep=2"),
 }
@@ -59,7 +61,7 @@ RUNS = {
 
 def _kind(layout) -> tuple:
     """A layout's class: ZeRO stage, HSDP, TP, pipeline schedule, EP."""
-    return (layout.zero, layout.dp_replicate > 1 and layout.zero > 0, layout.tp > 1,
+    return (layout.zero, layout.dp_replicate > 1 and layout.zero > 0, layout.tp > 1, layout.cp > 1,
             layout.pipeline.schedule if layout.pp > 1 else None, layout.ep > 1)
 
 

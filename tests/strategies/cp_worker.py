@@ -86,7 +86,52 @@ def _fit(model: CPGPT, strategy, devices: int, dp: int, **kwargs) -> tuple[L.Tra
     return trainer, model.step_losses()
 
 
+PLANNED_MODELS = {"gpt2": {}, "llama-gqa": dict(mlp="swiglu", norm="rmsnorm", pos_emb="rope", bias=False, n_kv_head=2)}
+
+
+def planned_activations(devices: int, seq: int = 64, batch: int = 2) -> list[dict]:
+    """What three blocks keep for backward on this cp rank (cp = every rank of the launch, fp32,
+    CPU), measured with ``activation_bytes`` as tests/planning/test_activations.py does for one
+    process, beside the planner's terms (``planning.activations``) for the same shard."""
+    from lightning_disttrain.models.context_parallel import ContextParallel, local_positions, prepare_biases
+    from lightning_disttrain.models.gpt import Block, GPTConfig, rope_tables
+    from lightning_disttrain.parallel.activation import activation_bytes, apply_activation_checkpointing
+    from lightning_disttrain.planning import shape_of
+    from lightning_disttrain.planning.activations import stage_bytes, stage_constant
+
+    assert dist.is_initialized(), "run 'activations' after a fit of the launch (it uses its process group)"
+    rank, local = dist.get_rank(), seq // devices
+    out = []
+    for name, fields in PLANNED_MODELS.items():
+        for policy in ("none", "selective", "full", "block"):
+            torch.manual_seed(0)
+            c = GPTConfig(**{"n_layer": 3, "n_head": 4, "n_embd": 128, "block_size": 128, **fields})
+            blocks = torch.nn.ModuleDict({str(i): Block(c, i) for i in range(c.n_layer)})
+            for block in blocks.values():
+                block.attn.context_parallel = ContextParallel(dist.group.WORLD, rank, devices)
+            apply_activation_checkpointing(blocks, policy, every_k=2)
+            prepare_biases(local, rank, devices)
+            rope = tuple(t[local_positions(seq, rank, devices)] for t in rope_tables(c)) if c.pos_emb == "rope" else None
+            x = torch.randn(batch, local, c.n_embd, requires_grad=True)
+
+            def forward():
+                y = x * 1.0
+                for block in blocks.values():
+                    y = block(y, rope)
+                return y
+
+            y, alive = activation_bytes(forward)
+            shape, kw = shape_of(c, seq), dict(e=4, cp=devices, cpu=True, seq_len=seq)
+            planned = (stage_bytes(shape, range(3), policy, 2, **kw) * local * batch
+                       + stage_constant(shape, range(3), policy, 2, **kw))
+            out.append({"model": name, "policy": policy, "measured": alive - y.numel() * 4, "planned": planned,
+                        "kv_shard": batch * local * shape.kv_dim * 4})
+    return out
+
+
 def fit_run(run: str, devices: int) -> dict:
+    if run == "activations":
+        return {"activations": planned_activations(devices)}
     L.seed_everything(0)
     if run in ("single", "single_learned"):
         trainer, losses = _fit(CPGPT("learned" if run.endswith("learned") else "rope"), "auto", 1, 1)
