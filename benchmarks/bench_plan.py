@@ -25,11 +25,14 @@ experts of half width, top-2, after one dense block). Layouts (``--layouts``):
   pp_microbatches=4)`` (1F1B, Interleaved1F1B with 2 stages per rank, GPipe; dp_shard=1, fp32: no
   FSDP), ``tie_embeddings=False``; planned with the same schedule arguments and the pipeline
   micro-batch (batch / 4) as the workload's micro batch;
-- ``ep``: ``NDParallelStrategy(ep=2)`` (dp_shard=2, 2 of the 4 experts per rank) for ``tiny-moe``.
+- ``ep``: ``NDParallelStrategy(ep=2)`` (dp_shard=2, 2 of the 4 experts per rank) for ``tiny-moe``;
+- ``cp``: ``NDParallelStrategy(cp=2, dp_shard=1)`` (each sequence split over both ranks, FSDP over
+  them), planned ``Layout(dp_shard=1, cp=2, zero=3)``.
 
 The default cases (``--cases default``): fsdp2 x {tiny, small, tiny-llama} x {none, selective,
 full, block}; tp x {tiny, tiny-llama} x {none, selective}; each pp layout x {tiny, small} x none;
-ep x tiny-moe x {none, full} (selective with EP fails in the package). ``--cases grid`` runs
+ep x tiny-moe x {none, full} (selective with EP fails in the package); cp x {tiny, tiny-llama} x
+{none, selective, full}. ``--cases grid`` runs
 every ``--layouts`` x ``--presets`` x ``--acs`` combination instead.
 
 Under tp and pp the ranks hold different things (pp: rank 0 the first stage, rank 1 the last):
@@ -67,7 +70,7 @@ SHAPES = {"tiny": (256, 8), "small": (512, 4), "tiny-llama": (256, 8), "tiny-moe
 PRESET_OF = {"tiny-llama": ("tiny", dict(mlp="swiglu", norm="rmsnorm", pos_emb="rope", bias=False, n_kv_head=2))}
 """Bench-only names -> (GPT preset, overrides)."""
 PIPELINES = {"pp-1f1b": "1F1B", "pp-interleaved": "Interleaved1F1B", "pp-gpipe": "GPipe"}
-LAYOUTS = ("fsdp2", "tp", *PIPELINES, "ep")
+LAYOUTS = ("fsdp2", "tp", *PIPELINES, "ep", "cp")
 ACS = ("none", "selective", "full", "block")
 PP_MICROBATCHES = 4
 DEFAULT_CASES = (
@@ -75,6 +78,7 @@ DEFAULT_CASES = (
     + [("tp", p, a) for p in ("tiny", "tiny-llama") for a in ("none", "selective")]
     + [(lay, p, "none") for lay in PIPELINES for p in ("tiny", "small")]
     + [("ep", "tiny-moe", a) for a in ("none", "full")]  # selective + EP fails: planning.layouts.EP_SELECTIVE
+    + [("cp", p, a) for p in ("tiny", "tiny-llama") for a in ("none", "selective", "full")]
 )
 
 
@@ -101,6 +105,8 @@ def strategy_args(layout: str) -> dict:
         return {"pp": 2, "pp_schedule": PIPELINES[layout], "pp_microbatches": PP_MICROBATCHES}
     if layout == "ep":
         return {"ep": 2}
+    if layout == "cp":
+        return {"cp": 2, "dp_shard": 1}
     return {}
 
 
@@ -164,6 +170,8 @@ def planned(preset: str, ac: str, vocab: int, nprocs: int, layout: str = "fsdp2"
                      pp_microbatches=PP_MICROBATCHES)
     elif layout == "ep":
         lay = Layout(dp_shard=nprocs, ep=nprocs, zero=3, ac=ac)
+    elif layout == "cp":  # both ranks load the same sequences and keep half of each
+        dp, lay = 1, Layout(dp_shard=1, cp=nprocs, zero=3, ac=ac)
     else:
         lay = Layout(dp_shard=nprocs, zero=3, ac=ac)
     return memory_per_rank(shape, lay, Workload(seq, global_batch=batch * dp, micro_batch=micro, precision="fp32"),

@@ -23,8 +23,9 @@ torch.set_num_threads(int(os.environ.get("LDT_TEST_THREADS", "1")))
 #
 # The launches start in the background when the first test runs (one at a time: 2, 4, then 8
 # ranks), and the tests are ordered so that the in-process tests run first, beside them (they use
-# one thread, the launches' ranks the other core), then the tests that read the launches, then the
-# other multi-process tests, which run alone as before.
+# one thread, the launches' ranks the other core), then the other multi-process tests (their own
+# launches, beside the shared ones: neither keeps both cores busy all the time), and last the
+# tests that read the shared launches' results. Nothing in the suite asserts on wall time.
 
 import threading  # noqa: E402
 
@@ -39,10 +40,10 @@ _LAUNCH_FIXTURES = {"launched", "two", "four"}
 
 
 def _order(item) -> int:
-    """0: in-process tests; 1: tests reading the shared launches; 2: other slow (multi-process) tests."""
+    """0: in-process tests; 1: other slow (multi-process) tests; 2: tests reading the shared launches."""
     if _LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
-        return 1
-    return 2 if item.get_closest_marker("slow") else 0
+        return 2
+    return 1 if item.get_closest_marker("slow") else 0
 
 
 def pytest_collection_modifyitems(config, items):
