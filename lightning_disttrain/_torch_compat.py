@@ -481,7 +481,7 @@ def unflatten_mesh(mesh: Any, dim: int | str, sizes: tuple[int, ...], names: tup
 # -- collectives and gradients ----------------------------------------------------------------
 
 
-FUNCOL_NAMES: tuple[str, ...] = ("all_to_all_single", "all_gather_tensor_autograd", "wait_tensor",
+FUNCOL_NAMES: tuple[str, ...] = ("all_to_all_single", "all_gather_single_autograd", "wait_tensor",
                                   "AsyncCollectiveTensor")
 """What the package uses of the functional collectives module."""
 

@@ -165,7 +165,7 @@ def all_gather_autograd(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     device = group_device(group.get_group() if hasattr(group, "get_group") else group)
     staged = tensor if tensor.device == device else tensor.to(device)
     moved = staged.movedim(dim, 0).contiguous()
-    out = funcol.all_gather_tensor_autograd(moved, gather_dim=0, group=group)
+    out = funcol.all_gather_single_autograd(moved, gather_dim=0, group=group)
     out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
     out = out.movedim(0, dim)
     return out if out.device == tensor.device else out.to(tensor.device)
