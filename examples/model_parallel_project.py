@@ -131,6 +131,18 @@ def data(samples: int = 512) -> DataLoader:
     return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8)
 
 
+def train(strategy_class, devices: int = 2, tp: int = 2, max_steps: int = 8,
+          out: str = "model_parallel_run") -> L.Trainer:
+    """Fit ``LitTransformer`` under ``strategy_class`` (Lightning's ``ModelParallelStrategy`` or ours)."""
+    L.seed_everything(0)
+    strategy = strategy_class(data_parallel_size=devices // tp, tensor_parallel_size=tp)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
+                        default_root_dir=out, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False)
+    trainer.fit(LitTransformer(), data())
+    return trainer
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=2)
@@ -143,13 +155,7 @@ def main() -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
     else:
         from lightning_disttrain.strategies import ModelParallelStrategy  # the one changed line
-    L.seed_everything(0)
-    strategy = ModelParallelStrategy(data_parallel_size=args.devices // args.tp, tensor_parallel_size=args.tp)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
-                        default_root_dir=args.out, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False)
-    model = LitTransformer()
-    trainer.fit(model, data())
+    trainer = train(ModelParallelStrategy, args.devices, args.tp, args.max_steps, args.out)
     if trainer.is_global_zero:
         print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.4f}")
 

@@ -13,6 +13,8 @@ Runs (``RUNS``):
 - ``mixed_names``: the module uses our mesh names for TP (``"tp"``) and Lightning's for FSDP.
 - ``resume_ours``: ours, saved at step 2, resumed by a second fit (steps 3-4).
 - ``resume_lightning``: Lightning's strategy writes its sharded checkpoint at step 2; ours resumes it.
+- ``example_lightning`` / ``example_ours``: examples/model_parallel_project.py's project (its
+  ``train``) under Lightning's ``ModelParallelStrategy`` / ours: the final losses.
 - ``fsdp1_style``: a plain module under our ``FSDPStrategy(auto_wrap_policy={Block},
   activation_checkpointing_policy={Block}, sharding_strategy="SHARD_GRAD_OP")``; ``ddp_style``:
   under our ``DDPStrategy(find_unused_parameters=True)``; ``single`` (1 device): their reference.
@@ -219,7 +221,26 @@ def _fit(module: L.LightningModule, strategy, devices: int, max_steps: int = STE
     return losses.tolist()
 
 
+def _example():
+    """examples/model_parallel_project.py, imported (its ``train`` runs the user's project)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "model_parallel_project.py"
+    spec = importlib.util.spec_from_file_location("model_parallel_project", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def fit_run(run: str, devices: int) -> dict:
+    if run in ("example_lightning", "example_ours"):  # the example's own project under each strategy
+        if run == "example_lightning":
+            from lightning.pytorch.strategies import ModelParallelStrategy
+        else:
+            from lightning_disttrain.strategies import ModelParallelStrategy
+        out = Path(os.environ.get("LDT_LAUNCH_OUT", "/tmp")) / f"migration_{run}"
+        trainer = _example().train(ModelParallelStrategy, devices, tp=2, max_steps=8, out=str(out))
+        return {"loss": float(trainer.callback_metrics["train_loss"])}
     L.seed_everything(0)
     out = Path(os.environ.get("LDT_LAUNCH_OUT", "/tmp")) / f"migration_{run}_{devices}"
     if run == "single":

@@ -11,7 +11,7 @@ from dist_utils import in_this_process
 import migration_worker as worker
 
 WORKER = "migration_worker"
-LAUNCH = {2: ["lightning", "ours", "fsdp1_style", "ddp_style"],
+LAUNCH = {2: ["lightning", "ours", "fsdp1_style", "ddp_style", "example_lightning", "example_ours"],
           4: ["lightning", "ours", "ours_tp_only", "mixed_names", "resume_ours", "resume_lightning"]}
 
 
@@ -31,6 +31,13 @@ def test_tp2_matches_lightnings_own_strategy(two):
         assert ours["mesh"] == theirs["mesh"] == {"data_parallel": 1, "tensor_parallel": 2}
         assert ours["tp_ranks"] == theirs["tp_ranks"]
         _same(ours["losses"], theirs["losses"], 1e-6)
+
+
+def test_the_examples_project_trains_under_ours_as_under_lightnings(two):
+    # examples/model_parallel_project.py: the project, unchanged but for the import, gives the same
+    # final loss (tests/test_examples.py runs the script itself, under ours)
+    for ours, theirs in zip(two["example_ours"], two["example_lightning"]):
+        assert ours["loss"] == theirs["loss"] and ours["loss"] < 3.0  # from ln(256) = 5.55
 
 
 def test_dp2_tp2_matches_lightnings_own_strategy(four):
