@@ -31,7 +31,7 @@ experts of half width, top-2, after one dense block). Layouts (``--layouts``):
 
 The default cases (``--cases default``): fsdp2 x {tiny, small, tiny-llama} x {none, selective,
 full, block}; tp x {tiny, tiny-llama} x {none, selective}; each pp layout x {tiny, small} x none;
-ep x tiny-moe x {none, full} (selective with EP fails in the package); cp x {tiny, tiny-llama} x
+ep x tiny-moe x {none, selective, full}; cp x {tiny, tiny-llama} x
 {none, selective, full}. ``--cases grid`` runs
 every ``--layouts`` x ``--presets`` x ``--acs`` combination instead.
 
@@ -77,7 +77,7 @@ DEFAULT_CASES = (
     [("fsdp2", p, a) for p in ("tiny", "small", "tiny-llama") for a in ACS]
     + [("tp", p, a) for p in ("tiny", "tiny-llama") for a in ("none", "selective")]
     + [(lay, p, "none") for lay in PIPELINES for p in ("tiny", "small")]
-    + [("ep", "tiny-moe", a) for a in ("none", "full")]  # selective + EP fails: planning.layouts.EP_SELECTIVE
+    + [("ep", "tiny-moe", a) for a in ("none", "selective", "full")]
     + [("cp", p, a) for p in ("tiny", "tiny-llama") for a in ("none", "selective", "full")]
 )
 

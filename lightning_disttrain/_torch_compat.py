@@ -357,6 +357,14 @@ PRIVATES: tuple[Private, ...] = (
             "where a DCP reader's metadata file is, to read it with restricted unpickling",
             "none in torch 2.13",
             lambda: _resolve(f"{_DCP}.filesystem", "FileSystemReader._get_metadata_path")),
+    # -- activation checkpointing --
+    Private("torch.ops.profiler:_record_function_enter_new/_record_function_exit",
+            "profiler annotations that selective checkpointing must not count: FSDP2's hooks inside a checkpointed "
+            "block (expert parallel's experts are their own FSDP unit) annotate a different number of times in the "
+            "forward and in the recomputation, and SAC matches ops by (op, call index)",
+            "none: they go into torch.utils.checkpoint.SAC_IGNORED_OPS (public, in its __all__), the set torch "
+            "itself fills with ops whose count differs between forward and recomputation (detach)",
+            lambda: _profiler_ops()),
     # -- compile --
     Private("torch._dynamo.utils:get_compilation_metrics",
             "one record per dynamo compile with the guard failure that caused it (recompilation warnings)",
@@ -404,6 +412,29 @@ def check() -> None:
 
 
 # -- dispatch, pytree, ops, autograd ----------------------------------------------------------
+
+
+def _profiler_ops() -> tuple[Any, Any]:
+    profiler = torch.ops.profiler
+    return (getattr(profiler, "_record_function_enter_new").default,
+            getattr(profiler, "_record_function_exit")._RecordFunction)
+
+
+def ignore_profiler_ops_in_selective_checkpointing() -> None:
+    """Make ``record_function``'s enter/exit ops invisible to selective activation checkpointing
+    (``torch.utils.checkpoint.SAC_IGNORED_OPS``): they run as called, in the forward and in the
+    recomputation, instead of being matched by call index. Idempotent; process-wide, like torch's
+    own entries (profiler annotations have no values worth saving)."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    _guard_version()
+    try:
+        ops = _profiler_ops()
+    except (ImportError, AttributeError):
+        name = "torch.ops.profiler:_record_function_enter_new/_record_function_exit"
+        raise _fail(name.replace(":", "."), _entry(name).why) from None
+    SAC_IGNORED_OPS.update(ops)
+
 
 
 def tree_leaves(tree: Any, *args: Any, **kwargs: Any) -> list[Any]:

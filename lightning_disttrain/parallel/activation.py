@@ -168,6 +168,11 @@ def selective_context_fn(
     older torch, which consults the policy again while recomputing: each pass counts 1, 2, 3, ...
     """
     every_other = recompute_matmuls == "every_other"
+    # FSDP2 units inside a block (expert parallel's experts) annotate their hooks with
+    # record_function a different number of times in the forward and in the recomputation; SAC
+    # matches ops by call index and would fail at the first backward ("invocation index 2 ...
+    # not found in storage"). Profiler annotations are left out of its matching.
+    torch_compat.ignore_profiler_ops_in_selective_checkpointing()
 
     def context_fn():
         matmuls_seen = {False: 0, True: 0}  # keyed by ctx.is_recompute

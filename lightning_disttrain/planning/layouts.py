@@ -38,11 +38,6 @@ from lightning_disttrain.planning.spec import GB, Cluster, Layout, Workload
 if TYPE_CHECKING:
     from lightning_disttrain.planning.throughput import Throughput
 
-EP_SELECTIVE = ("not offered: policy='selective' with expert parallel fails at the first backward (torch 2.13: "
-                "the experts' own FSDP unit runs inside the checkpointed block and its record_function is not "
-                "found again when the block is recomputed); use AC full")
-"""Measured with the CLI on 2 CPU ranks (tiny-moe): EP + selective exits with that error, EP + full runs."""
-
 PLAN_ERROR = 0.10
 """Headroom the recommendation wants, as a fraction of usable memory: the planner's validated error."""
 
@@ -111,10 +106,7 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster,
         out += [(Layout(dp_shard=N, zero=3, ep=e), "", True) for e in eps[1:]]
     for ac in ("selective", "full"):
         for e in eps:
-            if ac == "selective" and e > 1:
-                out.append((Layout(dp_shard=N, zero=3, ep=e, ac=ac), EP_SELECTIVE, False))
-            else:
-                out.append((Layout(dp_shard=N, zero=3, ep=e, ac=ac), "", True))
+            out.append((Layout(dp_shard=N, zero=3, ep=e, ac=ac), "", True))
     if shape.is_moe:
         return out  # tensor / pipeline parallel of MoE blocks: not modelled (the strategy refuses TP of MoE)
     tps = [t for t in _divisors_in((2, 4, 8, 16), G) if shape.n_head % t == 0]

@@ -36,9 +36,9 @@ def fit_run(run: str, devices: int) -> dict:
     L.seed_everything(0)
     model = MoEGPT()
     model.micro_batch = base.GLOBAL_BATCH // devices
-    strategy = {"single": "auto", "fsdp2": "fsdp2", "ep": NDParallelStrategy(ep=2),
+    strategy = {"single": "auto", "fsdp2": "fsdp2", "ep": NDParallelStrategy(ep=2), "ep_sac": NDParallelStrategy(ep=2),
                 "ep_fsdp2": NDParallelStrategy(ep=2)}[run]
-    callbacks = [SelectiveActivationCheckpointing(policy="selective")] if run == "ep_fsdp2" else []
+    callbacks = [SelectiveActivationCheckpointing(policy="selective")] if run in ("ep_fsdp2", "ep_sac") else []
     trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", callbacks=callbacks,
                         max_steps=STEPS, gradient_clip_val=base.CLIP, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -9,7 +9,7 @@ import moe_worker as worker
 from dist_utils import in_this_process
 
 # in the suite's shared 2- and 4-rank launches (tests/conftest.py)
-WORKER, LAUNCH = "moe_worker", {2: ["fsdp2", "ep"], 4: ["ep_fsdp2"]}
+WORKER, LAUNCH = "moe_worker", {2: ["fsdp2", "ep", "ep_sac"], 4: ["ep_fsdp2"]}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,16 @@ def test_expert_parallel_on_two_ranks_matches_one_process(launched, single):
     for r in ranks:  # 4 experts over ep=2: two per rank, FSDP over the single remaining rank
         assert r["expert_local_shape"] == [2, 32, 32]
         assert any("expert_parallel: ep=2, 2 MoE layers, experts FSDP over 1 ranks" in s for s in r["layout"])
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_selective_checkpointing_matches_one_process(launched, single):
+    # ep = dp_shard = 2: the experts' FSDP unit (over 1 rank) runs its hooks inside the checkpointed
+    # block, whose record_function annotations once broke SAC's matching at the first backward
+    ranks = launched(WORKER, 2)["ep_sac"]
+    _check(ranks, single)
+    for r in ranks:
+        assert any("activation_checkpointing" in s for s in r["layout"])
 
 
 @pytest.mark.slow
