@@ -1,0 +1,54 @@
+"""What a plain torch training loop holds besides the model state (the `fixed` bytes of bench_plan).
+
+The ``tiny`` GPT (vocab 257, 8 x 256 tokens), AdamW, clipping, no Lightning, no process group, one
+process; malloc bytes in use (``memory_meter.ProcessMeter``, memcount preloaded) after each phase of
+two steps, and the same minus the model state (weights, gradients and AdamW moments: 16 B/param):
+
+    LD_PRELOAD=$PWD/benchmarks/out/plan/memcount.so MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 \
+        python benchmarks/probe_fixed_bytes.py
+
+(memcount.so is built by any memory benchmark, e.g. ``python benchmarks/bench_plan.py``.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory_meter import ProcessMeter  # noqa: E402
+
+from lightning_disttrain.models.gpt import GPT, PRESETS, GPTConfig  # noqa: E402
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    meter = ProcessMeter()
+    meter.start()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**PRESETS["tiny"], "vocab_size": 257, "block_size": 256}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = 16 * sum(p.numel() for p in model.parameters())  # fp32: weights 4, gradients 4, moments 8
+    meter.mark("built")
+    for step in range(2):
+        x = torch.randint(0, 257, (8, 257))
+        with torch.no_grad():
+            model(x[:, :-1])
+        meter.mark(f"step{step}: a no-grad forward")
+        loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        del loss
+        meter.mark(f"step{step}: forward + backward")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        meter.mark(f"step{step}: clip + AdamW")
+    for name, level in meter.levels.items():
+        print(f"{name:34s} {level / 2**20:8.2f} MiB in use, {(level - state) / 2**20:7.2f} MiB besides the state")
+
+
+if __name__ == "__main__":
+    main()
