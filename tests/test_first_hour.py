@@ -224,14 +224,12 @@ def checkpoint(tmp_path_factory) -> Path:
     return tmp / "ckpt" / "last.ckpt"
 
 
-@pytest.mark.slow
 def test_progress_bar_under_max_steps_says_epoch_0(checkpoint):
     # Finding 7: with max_steps, Lightning's rich bar printed "Epoch 0/-2".
     text = (checkpoint.parent.parent / "fit.out").read_text()
     assert re.search(r"Epoch 0 +━", text) and "Epoch 0/-2" not in text, text[-2000:]
 
 
-@pytest.mark.slow
 def test_eval_with_its_defaults_scores_an_exported_file(checkpoint, tmp_path):
     out = _run(tmp_path, "export", str(checkpoint), "model.pt")
     assert out.returncode == 0, _out(out)[-3000:]
@@ -244,14 +242,12 @@ def test_eval_with_its_defaults_scores_an_exported_file(checkpoint, tmp_path):
     assert {"lambada_openai", "piqa", "arc_easy", "winogrande", "copa"} <= set(metrics)
 
 
-@pytest.mark.slow
 def test_eval_heldout_without_a_corpus_is_one_error_on_two_devices(checkpoint, tmp_path):
     out = _run(tmp_path, "eval", str(checkpoint), "--tasks", "heldout", "--devices", "2", timeout=180)
     text = _short_error(out, max_lines=1)
     assert "--heldout FILE" in text and text.count("error") == 1
 
 
-@pytest.mark.slow
 def test_hf_export_is_world_readable(checkpoint, tmp_path):
     out = _run(tmp_path, "export", str(checkpoint), "hf", "--format", "hf")
     assert out.returncode == 0, _out(out)[-3000:]

@@ -102,6 +102,7 @@ def test_unlisted_file_only_warns(ckpt):
         verify_checkpoint(ckpt)
 
 
+@pytest.mark.slow  # 2 processes
 def test_a_read_error_on_one_rank_fails_every_rank_instead_of_hanging(ckpt, tmp_path):
     # Each rank hashes a slice of the files; an OSError on one of them is reported through the
     # same all_gather as a bad hash, so all ranks raise the same verification error together.

@@ -36,7 +36,6 @@ def _step(blocks: nn.ModuleList, seq_len: int = 16) -> torch.Tensor:
     return h.detach()
 
 
-@pytest.mark.slow
 def test_inductor_blocks_match_eager():
     ref = _blocks()
     blocks = copy.deepcopy(ref)

@@ -69,6 +69,7 @@ def ranks(tmp_path_factory):
     return read_ranks(out, "torch", 2)
 
 
+@pytest.mark.slow  # the module fixture runs 2 processes
 def test_mesh_dimensions(ranks):
     for rank, r in enumerate(ranks):
         assert r["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
@@ -78,22 +79,26 @@ def test_mesh_dimensions(ranks):
         assert r["hsdp_fsdp_mesh"] == [["dp_replicate", "dp_shard_cp"], [2, 1]]
 
 
+@pytest.mark.slow  # the module fixture runs 2 processes
 def test_blocks_and_root_are_units_sharded_on_dim0(ranks):
     r = ranks[0]
     assert r["units"] == 3 + 1  # n_layer blocks + the root (tied embedding/head stays in it)
     assert r["placements"] == ["S(0)"] and r["local_rows"] == 32 // 2
 
 
+@pytest.mark.slow  # the module fixture runs 2 processes
 def test_last_block_is_not_resharded_after_forward(ranks):
     assert ranks[0]["after_forward_sharded"] == [True, True, False]
 
 
+@pytest.mark.slow  # the module fixture runs 2 processes
 def test_accumulation_without_sync_reduces_once(ranks):
     for r in ranks:
         assert r["reduce_scatters_per_micro_batch"] == [0, 0, 0, 4]  # one per unit, last micro-batch only
         assert r["accum_grad_diff"] < 1e-6  # equals the unsharded gradient of the global batch
 
 
+@pytest.mark.slow  # the module fixture runs 2 processes
 def test_clip_grad_norm_equals_single_process(ranks):
     for r in ranks:
         norm, ref = r["clip_norm"]
@@ -102,6 +107,7 @@ def test_clip_grad_norm_equals_single_process(ranks):
         assert r["clipped_grad_diff"] < 1e-7
 
 
+@pytest.mark.slow  # the module fixture runs 2 processes
 def test_clip_grad_norm_over_mixed_meshes(ranks):
     for r in ranks:
         norm, expected = r["mixed_mesh_norm"]
@@ -112,6 +118,7 @@ def test_clip_grad_norm_over_mixed_meshes(ranks):
         assert r["torch_mixed_mesh"] != "ok", "torch.nn.utils.get_total_norm now handles mixed meshes"
 
 
+@pytest.mark.slow  # the module fixture runs 2 processes
 def test_plan_groups_are_units_and_zero2_grads_match(ranks):
     r = ranks[0]
     # A list unit makes each member an FSDPModule but they share one group: one reduce-scatter.
@@ -120,10 +127,12 @@ def test_plan_groups_are_units_and_zero2_grads_match(ranks):
     assert r["untied_grad_diff"] < 1e-6
 
 
+@pytest.mark.slow  # the module fixture runs 2 processes
 def test_bf16_mixed_computes_in_bf16_keeps_fp32_grads(ranks):
     assert ranks[0]["bf16_compute_dtype"] == "torch.bfloat16"
     assert ranks[0]["bf16_grad_dtype"] == "torch.float32"
 
 
+@pytest.mark.slow  # the module fixture runs 2 processes
 def test_cpu_offload_step(ranks):
     assert ranks[0]["offload_devices"] == ["cpu"]
