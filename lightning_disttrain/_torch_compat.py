@@ -223,6 +223,13 @@ def _probe_parallel_style_apply() -> None:
         raise AttributeError("parallelize_module no longer calls ParallelStyle._apply")
 
 
+def _profiler_ops() -> tuple[Any, Any]:
+    """record_function's enter and exit ops (what selective checkpointing must not match)."""
+    profiler = torch.ops.profiler
+    return (getattr(profiler, "_record_function_enter_new").default,
+            getattr(profiler, "_record_function_exit")._RecordFunction)
+
+
 def _probe_micro_pipeline_tp() -> None:
     config = _module("torch._inductor.config")
     if not isinstance(getattr(config, "_micro_pipeline_tp"), bool):
@@ -364,7 +371,7 @@ PRIVATES: tuple[Private, ...] = (
             "forward and in the recomputation, and SAC matches ops by (op, call index)",
             "none: they go into torch.utils.checkpoint.SAC_IGNORED_OPS (public, in its __all__), the set torch "
             "itself fills with ops whose count differs between forward and recomputation (detach)",
-            lambda: _profiler_ops()),
+            _profiler_ops),
     # -- compile --
     Private("torch._dynamo.utils:get_compilation_metrics",
             "one record per dynamo compile with the guard failure that caused it (recompilation warnings)",
@@ -414,12 +421,6 @@ def check() -> None:
 # -- dispatch, pytree, ops, autograd ----------------------------------------------------------
 
 
-def _profiler_ops() -> tuple[Any, Any]:
-    profiler = torch.ops.profiler
-    return (getattr(profiler, "_record_function_enter_new").default,
-            getattr(profiler, "_record_function_exit")._RecordFunction)
-
-
 def ignore_profiler_ops_in_selective_checkpointing() -> None:
     """Make ``record_function``'s enter/exit ops invisible to selective activation checkpointing
     (``torch.utils.checkpoint.SAC_IGNORED_OPS``): they run as called, in the forward and in the
@@ -427,14 +428,7 @@ def ignore_profiler_ops_in_selective_checkpointing() -> None:
     own entries (profiler annotations have no values worth saving)."""
     from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-    _guard_version()
-    try:
-        ops = _profiler_ops()
-    except (ImportError, AttributeError):
-        name = "torch.ops.profiler:_record_function_enter_new/_record_function_exit"
-        raise _fail(name.replace(":", "."), _entry(name).why) from None
-    SAC_IGNORED_OPS.update(ops)
-
+    SAC_IGNORED_OPS.update(_get("torch.ops.profiler:_record_function_enter_new/_record_function_exit"))
 
 
 def tree_leaves(tree: Any, *args: Any, **kwargs: Any) -> list[Any]:

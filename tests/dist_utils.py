@@ -12,11 +12,13 @@ Scripts write one JSON file per rank (``rank_json``); a test reads them back wit
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,3 +147,23 @@ def worker_main(fit_run) -> None:
         result = fit_run(run, devices)
         write_rank_json(out_dir, run, dist.get_rank() if dist.is_initialized() else 0, result)
 
+
+@contextmanager
+def lightning_info_lines():
+    """The messages Lightning's loggers (``rank_zero_info``, the strategies' layout lines) emit
+    inside the block, as a list filled while it runs."""
+    lines: list[str] = []
+
+    class Captured(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Captured()
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)

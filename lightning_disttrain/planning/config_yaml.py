@@ -26,7 +26,7 @@ from lightning_disttrain.models.gpt import PRESETS
 from lightning_disttrain.planning.layouts import Candidate
 from lightning_disttrain.planning.model_shape import SHAPES
 from lightning_disttrain.planning.planner import Plan
-from lightning_disttrain.planning.spec import Layout
+from lightning_disttrain.planning.spec import DEGREES, Layout
 
 STRATEGY = "lightning_disttrain.strategies.NDParallelStrategy"
 AC_CALLBACK = "lightning_disttrain.callbacks.SelectiveActivationCheckpointing"
@@ -38,8 +38,7 @@ def strategy_config(layout: Layout) -> str | dict:
     """``trainer.strategy`` for ``layout``."""
     if layout.zero == 0:
         return "ddp"
-    init: dict = {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
-                  if getattr(layout, k) > 1}
+    init: dict = {k: getattr(layout, k) for k in DEGREES if getattr(layout, k) > 1}
     init["dp_shard"] = layout.dp_shard
     if layout.zero == 2:
         init["reshard_after_forward"] = False
@@ -146,7 +145,7 @@ def layout_from_config(config: dict) -> tuple[Layout, int]:
     if not isinstance(strategy, dict) or strategy.get("class_path", "").rsplit(".", 1)[-1] != "NDParallelStrategy":
         raise ValueError(f"trainer.strategy {strategy!r}: the planner reads ddp, fsdp2 and NDParallelStrategy")
     init = strategy.get("init_args") or {}
-    degrees = {k: int(init.get(k, 1)) for k in ("dp_replicate", "tp", "cp", "pp", "ep")}
+    degrees = {k: int(init.get(k, 1)) for k in DEGREES if k != "dp_shard"}
     dp_shard = int(init.get("dp_shard", -1))
     if dp_shard == -1:
         dp_shard = world // (degrees["dp_replicate"] * degrees["tp"] * degrees["cp"] * degrees["pp"])

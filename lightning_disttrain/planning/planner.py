@@ -14,7 +14,7 @@ from lightning_disttrain.planning.layouts import Candidate, evaluate, recommend
 from lightning_disttrain.planning.memory import DEFAULT_MARGIN, STATE_BYTES
 from lightning_disttrain.planning.model_shape import ModelShape
 from lightning_disttrain.planning.pipeline import bubble
-from lightning_disttrain.planning.spec import GB, Cluster, Workload
+from lightning_disttrain.planning.spec import DEGREES, GB, Cluster, Workload
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _pipeline(c: Candidate) -> dict | None:
 
 def _degrees(c: Candidate) -> dict:
     layout = c.layout
-    return {k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")}
+    return {k: getattr(layout, k) for k in DEGREES}
 
 
 def checkpoint_seconds_estimate(shape: ModelShape, workload: Workload, nodes: int) -> float:

@@ -81,6 +81,10 @@ class Workload:
         return self.seq_len * self.global_batch
 
 
+DEGREES: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+"""The ``NDParallelStrategy`` degrees a ``Layout`` carries, in the order plans print them."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """One way to lay the model out: the degrees of ``NDParallelStrategy`` (``cp``: context parallel,
@@ -109,7 +113,7 @@ class Layout:
     """``NDParallelStrategy(pp_stages_per_rank=...)``; None: the strategy's default for the schedule."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "cp"):
+        for name in DEGREES:
             if getattr(self, name) < 1:
                 raise ValueError(f"Layout.{name}={getattr(self, name)} must be >= 1")
         if self.zero not in (0, 1, 2, 3):

@@ -162,15 +162,14 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
     whole = workload.micro_batch * workload.seq_len  # tokens of one micro-batch
     micro = whole / layout.cp
     microsteps = accumulation * layout.microbatches
+    passes = 2 + full / shape.n_layer  # forward, backward, and a recomputed block's forward again
     tp_comm = 0.0
     if t > 1:
         per_block = 4 * _ring(t) * micro * shape.n_embd * e  # 2 all-gathers + 2 reduce-scatters
-        passes = 2 + (1 if layout.ac in ("full", "block") else 0) * full / shape.n_layer
         tp_comm = per_block * passes * layers * microsteps / (intra if t <= G else inter)
     cp_comm = 0.0
     if layout.cp > 1:
         per_block = _ring(layout.cp) * whole * 2 * shape.kv_dim / t * e  # the gathered K and V
-        passes = 2 + (1 if layout.ac in ("full", "block") else 0) * full / shape.n_layer
         cp_comm = per_block * passes * layers * microsteps / (intra if layout.cp * t <= G else inter)
     ep_comm = 0.0
     if ep > 1:

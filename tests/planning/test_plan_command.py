@@ -128,12 +128,17 @@ def test_recommendation_keeps_headroom_for_the_planners_error(capsys):
     assert "simpler layouts fit with less to spare: FSDP2 x32 + AC full (2.2 GB)" in out["reason"]
 
 
+def _gpt2_1558m_on_13gb(seq_len: int, capsys) -> dict:
+    """gpt2-1558m (25 heads: no TP), micro batch 8, on 8 x 13 GB (11.7 GB usable)."""
+    return _plan(["--model", "gpt2-1558m", "--seq-len", str(seq_len), "--global-batch", "64", "--micro-batch", "8",
+                  "--gpu-memory", "13"], capsys)
+
+
 def test_thin_headroom_is_said_when_nothing_has_more(capsys):
     # gpt2-1558m (25 heads: no TP) at seq 1022 (not a multiple of 2 x cp: no context parallel),
     # micro batch 8 on 8 x 13 GB: only FSDP2 x8 + AC full fits, with 0.8 GB to spare, under 10% of
     # the 11.7 GB usable
-    out = _plan(["--model", "gpt2-1558m", "--seq-len", "1022", "--global-batch", "64", "--micro-batch", "8",
-                 "--gpu-memory", "13"], capsys)
+    out = _gpt2_1558m_on_13gb(1022, capsys)
     assert out["recommendation"] == "FSDP2 x8 + AC full"
     assert not any(x["safe"] for x in out["layouts"])
     assert "is the simplest layout that fits, but with little headroom" in out["reason"]
@@ -144,8 +149,7 @@ def test_context_parallel_is_suggested_when_the_sequence_leaves_too_little_room(
     # the same model at seq 1024: splitting each sequence over 2 ranks halves the activations and
     # the logits, and FSDP2 x4 + CP 2 + AC full fits with 3.5 GB to spare where FSDP2 x8 + AC full
     # has 0.7 GB
-    out = _plan(["--model", "gpt2-1558m", "--seq-len", "1024", "--global-batch", "64", "--micro-batch", "8",
-                 "--gpu-memory", "13"], capsys)
+    out = _gpt2_1558m_on_13gb(1024, capsys)
     assert out["recommendation"] == "FSDP2 x4 + CP 2 + AC full"
     assert "simpler layouts fit with less to spare: FSDP2 x8 + AC full (0.7 GB)" in out["reason"]
     chosen = next(x for x in out["layouts"] if x["name"] == "FSDP2 x4 + CP 2 + AC full")

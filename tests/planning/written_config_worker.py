@@ -9,20 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
 from pathlib import Path
 
+from dist_utils import lightning_info_lines
 from test_written_configs import RUNS, plan_args
-
-
-class _Captured(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def fit_run(name: str, devices: int) -> dict:
@@ -37,22 +28,17 @@ def fit_run(name: str, devices: int) -> dict:
     with contextlib.redirect_stdout(printed):
         main([*plan_args(model, gpus, nodes), "--write-config", str(path), "--layout", layout])
     assert f"wrote {path}" in printed.getvalue(), printed.getvalue()[-2000:]
-    captured = _Captured()
-    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]  # rank_zero_info's
-    for logger in loggers:
-        logger.addHandler(captured)
     cwd = os.getcwd()
     os.chdir(out)
     try:
-        cli = DistTrainCLI(args=[
-            "fit", "--config", str(path), "--trainer.max_steps", "2", "--trainer.num_nodes", "1",
-            "--trainer.devices", str(devices), "--trainer.enable_progress_bar", "false",
-            "--data.init_args.source", "embedded", "--data.init_args.tokenizer", "bytes",
-            "--data.init_args.val_batches", "0", "--data.init_args.cache_dir", str(out / "cache"),
-            "--data.init_args.max_docs", "60"])
+        with lightning_info_lines() as log:
+            cli = DistTrainCLI(args=[
+                "fit", "--config", str(path), "--trainer.max_steps", "2", "--trainer.num_nodes", "1",
+                "--trainer.devices", str(devices), "--trainer.enable_progress_bar", "false",
+                "--data.init_args.source", "embedded", "--data.init_args.tokenizer", "bytes",
+                "--data.init_args.val_batches", "0", "--data.init_args.cache_dir", str(out / "cache"),
+                "--data.init_args.max_docs", "60"])
     finally:
         os.chdir(cwd)
-        for logger in loggers:
-            logger.removeHandler(captured)
-    return {"steps": cli.trainer.global_step, "log": captured.lines,
+    return {"steps": cli.trainer.global_step, "log": log,
             "layout": list(getattr(cli.trainer.strategy, "parallelized_steps", []))}  # DDP: Lightning's

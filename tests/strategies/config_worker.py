@@ -6,23 +6,14 @@ the strategy and the sample callback logged and where the CSV log and the checkp
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from pathlib import Path
 
 import yaml
+from dist_utils import lightning_info_lines
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class _Captured(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def fit_run(run: str, devices: int) -> dict:
@@ -36,17 +27,10 @@ def fit_run(run: str, devices: int) -> dict:
     text = re.sub(r"max_new_tokens: \d+", "max_new_tokens: 8", text)
     path = out / f"{run}.rank{os.environ.get('LOCAL_RANK', '0')}.yaml"  # the process group may not exist yet
     path.write_text(text)
-    captured = _Captured()
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]  # rank_zero_info's
-    for logger in loggers:
-        logger.addHandler(captured)
-    try:
+    with lightning_info_lines() as log:
         cli = DistTrainCLI(args=["fit", "--config", str(path), "--trainer.max_steps", "4",
                                  "--trainer.val_check_interval", "4", "--trainer.log_every_n_steps", "2",
                                  "--data.init_args.max_docs", "40", "--data.init_args.cache_dir", str(out / "cache")])
-    finally:
-        for logger in loggers:
-            logger.removeHandler(captured)
     assert yaml.safe_load(text)["trainer"]["default_root_dir"].startswith(str(out))
-    return {"steps": cli.trainer.global_step, "log": captured.lines, "runs": str(out / "runs" / run),
+    return {"steps": cli.trainer.global_step, "log": log, "runs": str(out / "runs" / run),
             "layout": cli.trainer.strategy.parallelized_steps}
