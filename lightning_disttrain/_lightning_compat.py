@@ -212,6 +212,45 @@ def last_checkpoint_saved(callback: Any) -> str:
     return _require(callback, "_last_checkpoint_saved", "the newest save of a ModelCheckpoint")
 
 
+# -- the fit loop's position (fault tolerance) ---------------------------------------------------
+
+
+def _position_trackers(trainer: Any) -> dict[str, Any]:
+    fit = _require(trainer, "fit_loop", "the fit loop")
+    epoch = _require(fit, "epoch_loop", "the training epoch loop")
+    return {"epoch": fit.epoch_progress, "batch": epoch.batch_progress, "scheduler": epoch.scheduler_progress,
+            "optimizer": epoch.automatic_optimization.optim_progress,
+            "manual_step": epoch.manual_optimization.optim_step_progress}
+
+
+def training_position(trainer: Any) -> dict[str, Any]:
+    """Every counter of the fit loop's position (epochs, batches, optimizer and scheduler steps,
+    the logging step) as nested dicts of ints: what a replica group that joins a fault-tolerant
+    run takes from its peers (Lightning restores them only from a checkpoint file)."""
+    position = {name: tracker.state_dict() for name, tracker in _position_trackers(trainer).items()}
+    position["batches_that_stepped"] = _require(trainer.fit_loop.epoch_loop, "_batches_that_stepped",
+                                                "the step the loggers are called with")
+    return position
+
+
+def move_training_position(trainer: Any, peer: dict[str, Any], then: dict[str, Any]) -> None:
+    """Set every counter to ``peer + (now - then)``: ``peer`` and ``then`` were read at the same
+    point of a step (the peer's and this process's), so the increments this step has made since
+    are kept and the loop carries on from the peer's position, mid-step."""
+    target = _moved(peer, training_position(trainer), then)
+    for name, tracker in _position_trackers(trainer).items():
+        tracker.load_state_dict(target[name])
+    trainer.fit_loop.epoch_loop._batches_that_stepped = target["batches_that_stepped"]
+
+
+def _moved(peer: Any, now: Any, then: Any) -> Any:
+    if isinstance(now, dict):
+        return {k: _moved(peer.get(k, v), v, then.get(k, v)) for k, v in now.items()}
+    if isinstance(now, int) and not isinstance(now, bool):
+        return int(peer) + now - int(then)
+    return now
+
+
 # -- progress bar -----------------------------------------------------------------------------
 
 
@@ -271,6 +310,7 @@ PRIVATES: tuple[tuple[str, str | None], ...] = (
     ("lightning.pytorch.plugins.precision.Precision", "clip_grad_by_norm"),
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_every_n_train_steps"),
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_last_checkpoint_saved"),
+    ("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop", "_batches_that_stepped"),
     ("jsonargparse.ArgumentParser", "_actions"),
     ("jsonargparse.ArgumentParser", "_instantiators"),
 )

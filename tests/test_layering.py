@@ -13,7 +13,8 @@ Layers, low to high (a module may import its own layer and the ones below; ``doc
    in the models; neither imports checkpoint, parallel, planning, callbacks, strategies, evals.
 2. building blocks: ``parallel/`` (incl. GPT's TP plan, ``parallel/gpt_tp.py``), ``checkpoint/``
    (DCP IO, manifest, discovery, cadence, the consolidated format and ``gpt_from_exported``),
-   ``optim.py``, ``planning/`` (arithmetic), and the Hugging Face format mapping
+   ``optim.py``, ``planning/`` (arithmetic), ``fault_tolerance/`` (torchft's Manager and lighthouse for
+   replica groups; the Lightning side is in ``strategies/``), and the Hugging Face format mapping
    ``models/hf.py`` + ``models/hf_config.py`` (plain torch over ``models`` and ``data``; it sits
    here, not at the top, because ``GPTModule(init_from=HF_DIR)`` in ``module.py`` uses it).
 3. Lightning pieces: ``module.py`` (GPTModule), ``callbacks/``, ``evals/``, ``loggers.py``.
@@ -62,6 +63,7 @@ LAYERS: dict[str, int] = {
     f"{PKG}.checkpoint": BLOCKS,
     f"{PKG}.optim": BLOCKS,
     f"{PKG}.planning": BLOCKS,
+    f"{PKG}.fault_tolerance": BLOCKS,
     f"{PKG}.module": LIGHTNING,
     f"{PKG}.callbacks": LIGHTNING,
     f"{PKG}.evals": LIGHTNING,

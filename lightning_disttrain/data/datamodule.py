@@ -128,6 +128,10 @@ class TokenDataModule(L.LightningDataModule):
         self._consumed = 0
         self._data_parallel_override: tuple[int, int] | None = None
         self._train_global_batch: int | None = None
+        self._shift = 0  # samples the train loader's batches moved by (``seek``)
+        self._train_sampler: GlobalSampleSampler | None = None
+        self.stale_batches_rebuilt = 0
+        """Batches fetched before a ``seek`` and rebuilt from the new position when trained on."""
 
     # ---------------------------------------------------------------- public properties
 
@@ -197,7 +201,9 @@ class TokenDataModule(L.LightningDataModule):
         sampler = GlobalSampleSampler(
             self.train_windows, batch_size=self.batch_size, dp_size=dp_size, dp_rank=dp_rank, seed=self.seed,
             start=lambda: self._consumed, num_batches=len(self.train_windows) // global_batch, shuffle=self.shuffle,
+            shift=lambda: self._shift,
         )
+        self._train_sampler = sampler
         return self._loader(self.train_windows, sampler, resumable=True)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -217,11 +223,35 @@ class TokenDataModule(L.LightningDataModule):
         # Called once per batch that training consumes (not per batch fetched): see module docstring.
         trainer = self.trainer
         if trainer is not None and trainer.training:
+            batch = self._batch_at_position(batch)
             self._consumed += self._train_global_batch or self.global_batch_size
         module = getattr(trainer, "lightning_module", None) if trainer is not None else None
         if module is not None and is_overridden("on_before_batch_transfer", module, parent=L.LightningModule):
             batch = module.on_before_batch_transfer(batch, dataloader_idx)
         return batch
+
+    def seek(self, consumed_samples: int) -> None:
+        """Move training to global sample ``consumed_samples`` now, mid-epoch: the next batch trained
+        on starts there. Fault tolerance uses it when a replica group joins and takes its peers'
+        data position; batches the loader had already fetched are rebuilt from the new position
+        when they are trained on, later ones are produced there."""
+        consumed_samples = int(consumed_samples)
+        if consumed_samples < 0:
+            raise ValueError(f"seek({consumed_samples}): a data position is a number of global samples >= 0")
+        self._shift += consumed_samples - self._consumed
+        self._consumed = consumed_samples
+
+    def _batch_at_position(self, batch: Any) -> Any:
+        sampler = self._train_sampler
+        if sampler is None or not sampler.produced:
+            return batch
+        position = sampler.produced.popleft()
+        if position == self._consumed:
+            return batch
+        from torch.utils.data import default_collate
+
+        self.stale_batches_rebuilt += 1
+        return default_collate([self.train_windows[int(w)] for w in sampler.batch_windows(self._consumed)])
 
     def state_dict(self) -> dict[str, Any]:
         train_tokens = self.train_windows.num_tokens if self.train_windows is not None else None

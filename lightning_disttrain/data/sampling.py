@@ -17,6 +17,7 @@ resume on a different data-parallel size and continue the very same sequence of 
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 from pathlib import Path
@@ -122,6 +123,7 @@ class GlobalSampleSampler(DistributedSampler):
         start,
         num_batches: int,
         shuffle: bool = True,
+        shift=None,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"data-parallel rank {dp_rank} is not in 0..{dp_size - 1}; check the strategy.")
@@ -131,7 +133,11 @@ class GlobalSampleSampler(DistributedSampler):
         self.dp_rank = dp_rank
         self.seed = seed
         self.start = start if callable(start) else (lambda: start)
+        self.shift = shift if shift is not None else (lambda: 0)
         self.num_batches = num_batches
+        self.produced: collections.deque[int] = collections.deque(maxlen=4096)
+        """The first global sample of each batch this iterator has produced and training has not
+        consumed yet (the datamodule pops them): batches a loader prefetched before a ``seek``."""
         self.shuffle_windows = shuffle
         self.n_windows = len(dataset)
 
@@ -145,16 +151,29 @@ class GlobalSampleSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         # Read the start now, not lazily in a generator: the first batch must begin exactly where
         # the datamodule says at the time the loader's iterator is created.
-        return self._indices(int(self.start()))
+        return self._indices(int(self.start()), int(self.shift()))
 
-    def _indices(self, start: int) -> Iterator[int]:
+    def _indices(self, start: int, shift0: int = 0) -> Iterator[int]:
+        # Batch k starts at global sample start + k*G + (shift() - shift0): shift() is read as each batch is
+        # produced, so a seek of the datamodule (a healed replica group jumping to its peers' data
+        # position) moves every batch produced after it.
         G, B = self.global_batch_size, self.batch_size
-        per_call = max(1, 4096 // G)  # batches resolved per numpy call: amortise, stay lazy
-        for k0 in range(0, self.num_batches, per_call):
-            k1 = min(self.num_batches, k0 + per_call)
-            windows = global_windows(self.seed, start + k0 * G, (k1 - k0) * G, self.n_windows, self.shuffle_windows)
-            for k in range(k1 - k0):
-                yield from windows[k * G + self.dp_rank * B : k * G + (self.dp_rank + 1) * B].tolist()
+        span = max(1, 4096 // G) * G  # samples resolved per numpy call: amortise, stay lazy
+        self.produced.clear()
+        base, windows = None, None
+        for k in range(self.num_batches):
+            position = start + k * G + int(self.shift()) - shift0
+            if base is None or not base <= position <= base + len(windows) - G:
+                base, windows = position, global_windows(self.seed, position, span, self.n_windows,
+                                                         self.shuffle_windows)
+            self.produced.append(position)
+            offset = position - base + self.dp_rank * B
+            yield from windows[offset : offset + B].tolist()
+
+    def batch_windows(self, position: int) -> np.ndarray:
+        """This rank's windows of the global batch that starts at global sample ``position``."""
+        return global_windows(self.seed, position + self.dp_rank * self.batch_size, self.batch_size,
+                              self.n_windows, self.shuffle_windows)
 
     def set_epoch(self, epoch: int) -> None:
         # Lightning calls this each epoch for DistributedSamplers; our epochs come from the global

@@ -66,13 +66,15 @@ from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_as
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
 from lightning_disttrain.strategies.collectives import CollectivesMixin
+from lightning_disttrain.fault_tolerance.settings import FaultTolerance
 from lightning_disttrain.strategies.context_steps import ContextStepMixin
+from lightning_disttrain.strategies.fault_tolerant_steps import FaultTolerantStepMixin
 from lightning_disttrain.strategies.initial_weights import InitialWeightsMixin
 from lightning_disttrain.strategies.pipeline_steps import PipelineStepMixin
 from lightning_disttrain.strategies.steps import StepMixin
 
 
-class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, CollectivesMixin, InitialWeightsMixin,
+class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixin, StepMixin, CollectivesMixin, InitialWeightsMixin,
                       compat.SubprocessLauncherStrategy, ParallelStrategy):
     """Everything of ``NDParallelStrategy`` but checkpointing. A base class rather than the class
     itself so that ``DCPCheckpointMixin`` sits above these methods in the MRO: its ``teardown``
@@ -101,6 +103,7 @@ class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, Collective
         pp_stages_per_rank: Optional[int] = None,
         pp_split_points: Optional[list[int]] = None,
         pp_edge_cost: float = 0.0,
+        fault_tolerance: Optional[Union[FaultTolerance, dict[str, Any]]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -146,6 +149,7 @@ class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, Collective
         self.tp_options = TensorParallelOptions(sequence_parallel, loss_parallel, async_tp)
         self.pp_options = PipelineOptions(pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points,
                                           pp_edge_cost)
+        self.fault_tolerance = FaultTolerance.coerce(fault_tolerance)
         self.transforms = TransformRegistry()
         """Model transforms by stage; callbacks register theirs in their ``setup`` hook."""
         self.parallelized_steps: list[str] = []
@@ -197,7 +201,8 @@ class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, Collective
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Data-parallel rank, not the global one: TP/PP/CP ranks of one replica read the same samples.
         dims = self.parallel_dims
-        return {"num_replicas": dims.dp_size, "rank": dims.dp_rank}
+        size, rank = self._ft_data_parallel(dims.dp_size, dims.dp_rank)  # with fault tolerance: every group's
+        return {"num_replicas": size, "rank": rank}
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -211,6 +216,7 @@ class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, Collective
             raise ValueError(f"{type(self).__name__} does not support precision='16-mixed' (a grad scaler over "
                              f"sharded gradients); use precision='bf16-mixed', or '16-true' without loss scaling")
         dims = self._make_parallel_dims(self.world_size)
+        self._check_fault_tolerance_layout(dims)
         if dims.ep_enabled:
             others = {name: getattr(dims, name) for name in ("tp", "pp", "dp_replicate", "cp") if getattr(dims, name) > 1}
             if others:
@@ -299,7 +305,7 @@ class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, Collective
             # Dropout: independent across data-parallel ranks and pipeline stages, one stream per
             # TP group (parallel/rng.py). A resumed run restores the saved streams after this.
             dims = self.parallel_dims
-            seed_training_streams(self._agreed_init_seed(), dims.dp_rank,
+            seed_training_streams(self._agreed_init_seed(), self._ft_data_parallel(dims.dp_size, dims.dp_rank)[1],
                                   dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -312,6 +318,7 @@ class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, Collective
             self._guard_zero_grad()
         if trainer.state.fn == TrainerFn.FITTING:
             compat.optimizers_to_device(self.optimizers, self.root_device)
+            self._ft_setup(trainer)  # with fault_tolerance: join the replica groups' quorum
 
     def _parallelize(self, module: pl.LightningModule) -> None:
         """The settings of each parallelism, then ``parallel.recipe.parallelize``: the one
@@ -385,6 +392,7 @@ class _NDParallelBase(ContextStepMixin, PipelineStepMixin, StepMixin, Collective
         # Not Strategy.teardown: moving the sharded module to the CPU would break a later
         # trainer.validate/test with the same module (ModelParallelStrategy does the same).
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._ft_teardown()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -395,9 +403,8 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
 
     Args:
         dp_replicate, dp_shard, tp, pp, ep, cp: degrees (see ``ParallelDims``); ``dp_shard=-1``
-            takes whatever the world size leaves. cp > 1 is not supported yet; ep > 1 (expert
-            parallel, borrowing ranks from dp_shard) composes with FSDP2, not yet with tp, pp or
-            dp_replicate.
+            takes whatever the world size leaves. ep > 1 (expert parallel, borrowing ranks from
+            dp_shard) composes with FSDP2, not yet with tp, pp, cp or dp_replicate.
         reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (parameters stay gathered from forward
             to backward); int: reshard to groups of that many ranks.
         mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision
@@ -414,8 +421,26 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
         sequence_parallel, loss_parallel, async_tp: with tp > 1 (``parallel.tensor.TensorParallelOptions``).
         pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_edge_cost: with pp > 1
             (``parallel.pipeline.PipelineOptions``; the step contract in ``strategies/pipeline_steps.py``).
+        fault_tolerance: a ``FaultTolerance`` (or its keys as a dict): this launch is one replica
+            group of a run whose groups survive each other's failures (torchft; see
+            ``strategies/fault_tolerant_steps.py``). Needs dp_replicate=1 (the groups replicate).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for every Lightning ``ParallelStrategy`` (normally filled in by the Trainer).
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
         timeout: for collectives.
     """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        if self._ft_writes_checkpoints():  # with fault tolerance: one replica group writes
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        if self._ft_writes_checkpoints():
+            super().remove_checkpoint(filepath)
+
+    @override
+    def on_train_end(self) -> None:
+        self._ft_on_train_end()  # below min_replicas: the stop's checkpoint
+        super().on_train_end()

@@ -1,0 +1,152 @@
+"""One replica group's membership in a fault-tolerant run: torchft's ``Manager``, per step.
+
+Plain torch + torchft, no Lightning. The strategy (``strategies/fault_tolerant_steps.py``) calls,
+on every rank of the group, once per optimizer step and in this order:
+
+1. ``begin_step()`` before the forward: asks the lighthouse for this step's quorum, in the
+   background (torchft's async quorum), so that it overlaps the forward and backward.
+2. ``average_gradients(params)`` after the backward: the gradients (each rank's local shards) are
+   averaged over the replica groups in the quorum, group rank k with group rank k of every other
+   group, in one flat bucket per dtype. A group that is healing this step contributes zeros and is
+   not counted (torchft), so the survivors' average is over the live groups only.
+3. ``commit()``: True when every rank of the group saw the step's collectives succeed and the
+   quorum has at least ``min_replicas`` groups; only then may the optimizer step. A group that
+   joined this step receives its state here (``load_state_dict`` runs on the calling thread).
+
+The state a joining group receives is what ``state_dict`` returned when the source group called
+``begin_step``: the strategy builds it on the main thread before ``begin_step``, so torchft's
+quorum thread only reads tensors that the main thread does not change before ``commit`` (FSDP2's
+state-dict hooks would race a backward on another thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .settings import FaultTolerance
+
+log = logging.getLogger(__name__)
+STATE_KEY = "lightning_disttrain"
+
+
+def require_torchft():
+    try:
+        import torchft
+    except ImportError as err:
+        raise ImportError("fault_tolerance needs torchft: pip install 'lightning-disttrain[ft]' (or pip install "
+                          "torchft), or leave fault_tolerance unset") from err
+    return torchft
+
+
+class _QuietReconfigure(logging.Filter):
+    # torchft logs this warning on every quorum change of a CPU build (no NCCL flight recorder).
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
+
+
+class ReplicaGroup:
+    """This launch's replica group in the quorum of ``settings.num_replica_groups`` groups."""
+
+    def __init__(self, settings: FaultTolerance, *, rank: int, world_size: int, store_addr: str, store_port: int,
+                 device: torch.device, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+        torchft = require_torchft()
+        self.settings = settings
+        self.device = torch.device(device)
+        timeout = timedelta(seconds=settings.timeout_s)
+        # The cross-group group: gloo for CPU tensors, NCCL for CUDA ones (torchft's own
+        # reconfigurable groups; the gradients it carries are on the device the backend serves).
+        pg = torchft.ProcessGroupGloo(timeout=timeout) if self.device.type == "cpu" \
+            else torchft.ProcessGroupNCCL(timeout=timeout)
+        logging.getLogger("torchft.manager").addFilter(_QuietReconfigure())
+        self._load, self._state = load_state_dict, state_dict
+        self.heals = 0
+        self.last_heal_s: Optional[float] = None
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=settings.min_replicas,
+            use_async_quorum=True, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=settings.connect_timeout_s), rank=rank, world_size=world_size,
+            store_addr=store_addr, store_port=store_port, lighthouse_addr=settings.lighthouse,
+            replica_id=f"ldt_replica_{settings.replica_id}",
+            # Every group builds identical initial weights from the seed (GPTModule's initialisation
+            # is a function of the seed and the parameter names), so no group heals at step 0 and
+            # every group's first batch counts, as in one HSDP run.
+            init_sync=False)
+        self.manager.register_state_dict_fn(STATE_KEY, self._load_timed, self._state)
+        self.participants_now = 0
+        self.quorum_wait_s = 0.0
+        self.reduce_s = 0.0
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self.manager.start_quorum()
+
+    @torch.no_grad()
+    def average_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Average every gradient (local shard) over the live replica groups, in place. Every rank
+        of every participating group must call it once per step, also with no gradients at all
+        (zeros then), or the other groups' collective waits for it until the timeout."""
+        start = time.perf_counter()
+        self.participants_now = int(self.manager.num_participants())  # waits for the quorum if not known yet
+        self.quorum_wait_s = time.perf_counter() - start
+        buckets: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p in params:
+            if p.requires_grad:
+                local = _local(p)
+                buckets.setdefault((local.dtype, local.device), []).append(p)
+        for (dtype, device), group in buckets.items():
+            grads = [_local(p.grad) if p.grad is not None else None for p in group]
+            flat = torch.cat([g.reshape(-1) if g is not None else torch.zeros(_local(p).numel(), dtype=dtype,
+                                                                             device=device)
+                              for p, g in zip(group, grads)])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for p, g in zip(group, grads):
+                shape = _local(p).shape
+                chunk = flat[offset:offset + shape.numel()].view(shape)
+                offset += shape.numel()
+                if g is not None:
+                    g.copy_(chunk)
+                elif bool(chunk.any()):  # another group's gradient for a parameter unused here
+                    p.grad = (DTensor.from_local(chunk.clone(), p.device_mesh, p.placements, run_check=False)
+                              if isinstance(p, DTensor) else chunk.clone())
+        self.reduce_s = time.perf_counter() - start - self.quorum_wait_s  # with the wait for the slowest group
+
+    def commit(self) -> bool:
+        return bool(self.manager.should_commit())
+
+    # -- what the step's quorum was ------------------------------------------------------------
+
+    @property
+    def participants(self) -> int:
+        """Replica groups whose gradients this step averaged (blocks until the quorum is known)."""
+        return int(self.manager.num_participants())
+
+    @property
+    def participating_rank(self) -> Optional[int]:
+        """This group's index among the participants (None while it heals)."""
+        return self.manager.participating_rank()
+
+    @property
+    def committed_steps(self) -> int:
+        return int(self.manager.current_step())
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    def _load_timed(self, state: Any) -> None:
+        start = time.perf_counter()
+        self._load(state)
+        self.heals += 1
+        self.last_heal_s = time.perf_counter() - start
+        log.info("replica group %d healed from a live group in %.3f s", self.settings.replica_id, self.last_heal_s)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,0 +1,213 @@
+"""Fault tolerance across replica groups (torchft) inside L.Trainer: NDParallelStrategy(fault_tolerance=...).
+
+The multi-process tests start a torchft lighthouse in this process and each replica group as its
+own launch of ``ft_replica.py`` (tests/strategies/ft_launch.py): a group is SIGKILLed mid-run, the
+survivor trains on without a restart, the relaunched group heals from it and both continue in
+lock step with bitwise-equal weights; with no failure the run equals one HSDP run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: its lighthouse logs every quorum at INFO
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "checkpoint" / "scripts")]
+pytest.importorskip("torchft")
+
+from ft_launch import WORKER, ReplicaGroups  # noqa: E402
+from harness import MICRO_BATCH, expected_windows, write_indexed_shard  # noqa: E402
+
+from lightning_disttrain.fault_tolerance import FaultTolerance  # noqa: E402
+from lightning_disttrain.fault_tolerance.lighthouse import LighthouseUnreachable, check_reachable  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("ft_data")
+    write_indexed_shard(directory)
+    return directory
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+# -- settings and errors (one process) ----------------------------------------------------------
+
+
+def test_settings_name_what_to_fix(monkeypatch):
+    monkeypatch.delenv("LDT_FT_REPLICA_ID", raising=False)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match=r"replica_id is not set.*LDT_FT_REPLICA_ID"):
+        FaultTolerance(num_replica_groups=2, lighthouse="localhost:1")
+    with pytest.raises(ValueError, match=r"replica_id=2 is not one of 0 .. 1"):
+        FaultTolerance(num_replica_groups=2, replica_id=2, lighthouse="localhost:1")
+    with pytest.raises(ValueError, match=r"lighthouse is not set: start one \(lightning-disttrain ft-lighthouse\)"):
+        FaultTolerance(num_replica_groups=2, replica_id=0)
+    with pytest.raises(ValueError, match=r"min_replicas=3: choose 1 .. 2"):
+        FaultTolerance(num_replica_groups=2, replica_id=0, lighthouse="localhost:1", min_replicas=3)
+    with pytest.raises(ValueError, match=r"write it as http://host:port"):
+        FaultTolerance(num_replica_groups=2, replica_id=0, lighthouse="localhost")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['replicas'\]"):
+        FaultTolerance.coerce({"replicas": 2})
+    monkeypatch.setenv("LDT_FT_REPLICA_ID", "1")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "myhost:29510")
+    ft = FaultTolerance(num_replica_groups=3)
+    assert (ft.replica_id, ft.lighthouse) == (1, "http://myhost:29510")
+
+
+def test_replicas_are_launches_not_a_mesh_dimension():
+    import lightning as L
+
+    from lightning_disttrain.strategies import NDParallelStrategy
+
+    strategy = NDParallelStrategy(dp_replicate=2, fault_tolerance=dict(num_replica_groups=2, replica_id=0,
+                                                                       lighthouse="localhost:1"))
+    with pytest.raises(ValueError, match=r"set dp_replicate=1 and start fault_tolerance.num_replica_groups=2 groups"):
+        L.Trainer(strategy=strategy, devices=2, accelerator="cpu", logger=False)
+
+
+def test_unreachable_lighthouse_is_one_clear_error():
+    port = _closed_port()
+    with pytest.raises(LighthouseUnreachable, match=rf"lighthouse at http://127.0.0.1:{port} did not answer within "
+                                                    r"0.3 s .*ft-lighthouse --port"):
+        check_reachable(f"127.0.0.1:{port}", 0.3)
+
+
+def test_missing_torchft_says_what_to_install(monkeypatch):
+    from lightning_disttrain.fault_tolerance.replicas import require_torchft
+
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    with pytest.raises(ImportError, match=r"pip install 'lightning-disttrain\[ft\]'"):
+        require_torchft()
+
+
+@pytest.mark.slow
+def test_fit_with_an_unreachable_lighthouse_fails_fast(data, tmp_path):
+    port = _closed_port()
+    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path), str(data), "r", "--replica-id", "0",
+                           "--lighthouse", f"http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"LighthouseUnreachable: the torchft lighthouse at http://127.0.0.1:{port} did not answer within 5 s" \
+        in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+# -- a replica group dies, the other trains on, the relaunched one heals ----------------------------
+
+
+@pytest.mark.slow
+def test_survivor_trains_on_and_relaunched_group_heals_bitwise(data, tmp_path):
+    steps, kill_after = 24, 5
+    groups = ReplicaGroups(tmp_path, data, "kill", steps=steps, sleep=0.05, gated=True, extra=["--save-every", "4"])
+    try:
+        groups.launch(0)
+        groups.launch(1)
+        groups.wait_until(lambda: all(groups.records(g, event="start") for g in (0, 1)), 120, "both groups started")
+        groups.go()
+        groups.wait_until(lambda: any(r["step"] >= kill_after for r in groups.records(1)), 120, "group 1's step 5")
+        groups.kill(1)
+        killed_at = len(groups.records(0))
+        groups.wait_until(lambda: sum(r["ft"]["ft/live_replicas"] == 1 and r["ft"]["ft/committed"] == 1
+                                      for r in groups.records(0)[killed_at:]) >= 3, 60, "group 0 training alone")
+        groups.hold(True)  # group 0 waits after its current step until the relaunched group has started
+        groups.wait_until(lambda: groups.records(0, event="held"), 60, "group 0 held")
+        groups.launch(1)
+        groups.wait_until(lambda: len(groups.records(1, event="start")) == 2, 120, "group 1 relaunched")
+        groups.hold(False)
+        codes = groups.wait_all(180)
+    finally:
+        groups.close()
+    assert codes == {0: 0, 1: 0}, groups.logs()
+    survivor = groups.records(0)
+    every = groups.records(1, event=None)
+    second_start = [i for i, r in enumerate(every) if r["event"] == "start"][1]
+    first, relaunched = [r for r in every[:second_start] if r["event"] == "step"], \
+        [r for r in every[second_start:] if r["event"] == "step"]
+
+    # The survivor never stopped: every step once, in order, up to the end; no job-wide exit.
+    assert [r["step"] for r in survivor] == list(range(1, steps + 1))
+    live = [r["ft"]["ft/live_replicas"] for r in survivor]
+    assert live[:kill_after] == [2] * kill_after and 1 in live and live[-1] == 2, live
+    uncommitted = [r["step"] for r in survivor if not r["ft"]["ft/committed"]]
+    assert len(uncommitted) <= 1, uncommitted  # a kill inside the step's all-reduce fails that one step
+    # Before the kill both groups averaged into the same weights at every step.
+    by_step = {r["step"]: r for r in survivor}
+    assert all(by_step[r["step"]]["weights"] == r["weights"] for r in first)
+    # The relaunched group healed in its first step, at the survivor's position, and from then on
+    # both hold bitwise-equal weights, the same data position and step, to the end.
+    heal = relaunched[0]
+    assert heal["ft"]["ft/heals"] == 1 and heal["step"] > kill_after + 3, heal
+    assert [r["step"] for r in relaunched] == list(range(heal["step"], steps + 1))
+    for r in relaunched:
+        peer = by_step[r["step"]]
+        assert (r["weights"], r["consumed"]) == (peer["weights"], peer["consumed"]), r["step"]
+        # The healing group's gradient does not count in its heal step; from the next one it does.
+        assert peer["ft"]["ft/live_replicas"] == r["ft"]["ft/live_replicas"] == (1 if r is heal else 2)
+    # Data: after its heal step the relaunched group reads its own slice (data-parallel rank 1 of
+    # 2) of the global batch at the shared position; the survivor reads rank 0's.
+    G = 2 * MICRO_BATCH
+    for r in relaunched[1:]:
+        assert r["samples"] == expected_windows(r["consumed"] - G + MICRO_BATCH, MICRO_BATCH), r["step"]
+    for r in survivor:
+        assert r["samples"] == expected_windows(r["consumed"] - G, MICRO_BATCH), r["step"]
+    # The missing group's share was skipped and counted, identically in both groups' counters.
+    end, peer_end = relaunched[-1]["ft"], survivor[-1]["ft"]
+    assert end["ft/samples_skipped"] == peer_end["ft/samples_skipped"] > 0
+    assert end["ft/samples_trained"] + end["ft/samples_skipped"] == steps * G
+    # Checkpoints: each save was written by exactly one group, and is complete.
+    saves = {}
+    for g in (0, 1):
+        for r in groups.records(g, event="save"):
+            saves.setdefault(r["step"], []).append(r["writer"])
+    assert saves and all(sorted(w) in ([False, True], [True]) for w in saves.values()), saves
+    for step in saves:
+        assert (tmp_path / "kill.ckpt" / f"step={step:03d}.ckpt" / "manifest.json").exists(), step
+
+
+# -- no failure: the same run as one HSDP job ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_no_failure_equals_hsdp(data, tmp_path):
+    steps = 5
+    hsdp = subprocess.run([sys.executable, str(WORKER), str(tmp_path), str(data), "hsdp", "--hsdp", "--devices", "4",
+                           "--steps", str(steps), "--final-state"], capture_output=True, text=True, timeout=300,
+                          env=__import__("dist_utils")._env())
+    assert hsdp.returncode == 0, (hsdp.stdout + hsdp.stderr)[-4000:]
+    groups = ReplicaGroups(tmp_path, data, "ft", devices=2, steps=steps, lighthouse_min_replicas=2,
+                           extra=["--final-state"])
+    try:
+        groups.launch(0)
+        groups.launch(1)
+        codes = groups.wait_all(300)
+    finally:
+        groups.close()
+    assert codes == {0: 0, 1: 0}, groups.logs()
+    for g in (0, 1):
+        for rank in (0, 1):
+            ft = groups.records(g, rank)
+            ref = [json.loads(line) for line in (tmp_path / f"hsdp.g0.rank{2 * g + rank}.jsonl").read_text()
+                   .splitlines() if '"step"' in line and '"event": "step"' in line]
+            assert [r["ft"]["ft/live_replicas"] for r in ft] == [2] * steps
+            # The same samples per global data-parallel rank, losses within 1e-6 at every step.
+            assert [r["samples"] for r in ft] == [r["samples"] for r in ref]
+            losses = torch.tensor([float.fromhex(r["loss"]) for r in ft])
+            ref_losses = torch.tensor([float.fromhex(r["loss"]) for r in ref])
+            torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-6)
+            # And the weights after the last step: the same shard of the same parameters.
+            mine = torch.load(tmp_path / f"ft.g{g}.rank{rank}.pt")
+            theirs = torch.load(tmp_path / f"hsdp.g0.rank{2 * g + rank}.pt")
+            assert mine.keys() == theirs.keys()
+            for name in mine:
+                torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=1e-6)
