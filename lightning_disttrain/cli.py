@@ -14,6 +14,7 @@ adds the tracebacks. A config the parser refuses (an unknown key, a ``class_path
 import) is one ``error:`` line with a "did you mean" where one is close, not the usage text; an
 unknown strategy name suggests ours. ``prepare``/``export``/``plan``/``eval`` report an expected
 failure (a missing or corrupt checkpoint, a bad path or value) as ``error: <command>: <message>``.
+``ft-lighthouse`` / ``ft-local`` start fault-tolerant replica groups (``fault_tolerance/command.py``).
 ``LDT_DEBUG=1`` (or ``LDT_TRACEBACK=1``) restores the full text and the tracebacks.
 """
 
@@ -44,6 +45,10 @@ _TOOLS = {
              "memory per GPU by layout, the recommended layout, speed, cost, checkpoint interval"),
     "eval": ("lightning_disttrain.evals.command", "eval_main",
              "evaluate a checkpoint (directory or exported file) on zero-shot tasks and held-out loss"),
+    "ft-lighthouse": ("lightning_disttrain.fault_tolerance.command", "lighthouse_main",
+                      "start a torchft lighthouse: where the replica groups of fault-tolerant runs meet"),
+    "ft-local": ("lightning_disttrain.fault_tolerance.command", "local_main",
+                 "try a fault-tolerant run on this machine: a lighthouse and one `fit` per replica group"),
 }
 
 
@@ -274,9 +279,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2) from None
         return
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: lightning-disttrain {fit,validate,test,predict,prepare,export,plan,eval} ...\n")
+        print("usage: lightning-disttrain {fit,validate,test,predict,prepare,export,plan,eval,ft-lighthouse,ft-local} "
+              "...\n")
         for name, (_, _, doc) in _TOOLS.items():
-            print(f"  {name:9s} {doc}")
+            print(f"  {name:13s} {doc}")
         print("  fit, validate, test, predict: LightningCLI subcommands (lightning-disttrain fit --help)\n")
     run_errors = RunErrors.for_this_process()
     try:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_disttrain import _lightning_compat as compat
@@ -200,7 +200,7 @@ class FaultTolerantStepMixin:
         for name, value in metrics.items():
             self.lightning_module.log(name, float(value), on_step=True, on_epoch=False, sync_dist=False)
         if participants < ft.min_replicas and self._ft_stop_step is None:
-            rank_zero_warn(f"fault tolerance: {participants} live replica group(s), fewer than min_replicas="
+            rank_zero_info(f"fault tolerance: {participants} live replica group(s), fewer than min_replicas="
                            f"{ft.min_replicas}: the step was not applied; saving a checkpoint and stopping")
             self._ft_stop_step = trainer.global_step
             trainer.should_stop = True

@@ -60,6 +60,7 @@ class StepLog(L.Callback):
 
     def __init__(self, path: Path, sleep: float, gate: Path | None = None) -> None:
         self.path, self.sleep, self.gate = path, sleep, gate
+        self.records: list[dict] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
         torch.manual_seed(1000 + trainer.strategy.distributed_sampler_kwargs["rank"])  # as harness.Recorder
@@ -86,11 +87,12 @@ class StepLog(L.Callback):
         self._write({"event": "save", "step": trainer.global_step, "writer": bool(writes)})
 
     def _write(self, record: dict) -> None:
+        self.records.append(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("data")
@@ -100,6 +102,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--lighthouse", default=None)
     parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--connect-timeout", type=float, default=5.0)
     parser.add_argument("--hsdp", action="store_true")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sleep", type=float, default=0.0)
@@ -107,8 +110,10 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--gate", default=None)
-    args = parser.parse_args()
+    return parser
 
+
+def fit(args: argparse.Namespace) -> StepLog:
     L.seed_everything(1234, workers=True)
     if args.hsdp:
         strategy = NDParallelStrategy(dp_replicate=2, dp_shard=args.devices // 2)
@@ -116,7 +121,7 @@ def main() -> None:
     else:
         strategy = NDParallelStrategy(fault_tolerance=dict(
             num_replica_groups=args.groups, replica_id=args.replica_id, lighthouse=args.lighthouse,
-            min_replicas=args.min_replicas, timeout_s=20, quorum_timeout_s=60, connect_timeout_s=5))
+            min_replicas=args.min_replicas, timeout_s=20, quorum_timeout_s=60, connect_timeout_s=args.connect_timeout))
         group = args.replica_id
     out = Path(args.out)
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -141,6 +146,30 @@ def main() -> None:
     if args.final_state:
         torch.save(local_state(module), out / f"{args.run}.g{group}.rank{trainer.global_rank}.pt")
     log._write({"event": "end", "step": trainer.global_step, "pid": os.getpid()})
+    return log
+
+
+HSDP_STEPS = 5
+
+
+def fit_run(run: str, devices: int) -> dict:
+    """The HSDP reference (dp_replicate=2 x dp_shard=2) inside the suite's shared 4-rank launch."""
+    from harness import write_indexed_shard
+
+    assert run == "hsdp" and devices == 4, (run, devices)
+    out = Path(os.environ["LDT_LAUNCH_OUT"])
+    data = out / f"ft_data.{os.getpid()}"  # the deterministic indexed shard, one copy per process
+    write_indexed_shard(data)
+    log = fit(parser().parse_args([str(out), str(data), "ft_hsdp", "--hsdp", "--devices", "4", "--steps",
+                                   str(HSDP_STEPS), "--final-state"]))
+    import torch.distributed as dist
+
+    return {"records": [r for r in log.records if r["event"] == "step"],
+            "state": str(out / f"ft_hsdp.g0.rank{dist.get_rank()}.pt")}
+
+
+def main() -> None:
+    fit(parser().parse_args())
 
 
 if __name__ == "__main__":

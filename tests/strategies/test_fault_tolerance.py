@@ -23,10 +23,13 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "checkpoint" / "scripts")]
 pytest.importorskip("torchft")
 
-from ft_launch import WORKER, ReplicaGroups  # noqa: E402
+from ft_launch import WORKER as SCRIPT  # noqa: E402
+from ft_launch import ReplicaGroups  # noqa: E402
 from harness import MICRO_BATCH, expected_windows, write_indexed_shard  # noqa: E402
 
 from lightning_disttrain.fault_tolerance import FaultTolerance  # noqa: E402
+
+WORKER, LAUNCH = "ft_replica", {4: ["hsdp"]}  # the HSDP reference runs in conftest's shared 4-rank launch
 from lightning_disttrain.fault_tolerance.lighthouse import LighthouseUnreachable, check_reachable  # noqa: E402
 
 
@@ -96,10 +99,11 @@ def test_missing_torchft_says_what_to_install(monkeypatch):
 @pytest.mark.slow
 def test_fit_with_an_unreachable_lighthouse_fails_fast(data, tmp_path):
     port = _closed_port()
-    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path), str(data), "r", "--replica-id", "0",
-                           "--lighthouse", f"http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), str(data), "r", "--replica-id", "0",
+                           "--lighthouse", f"http://127.0.0.1:{port}", "--connect-timeout", "0.5"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert f"LighthouseUnreachable: the torchft lighthouse at http://127.0.0.1:{port} did not answer within 5 s" \
+    assert f"LighthouseUnreachable: the torchft lighthouse at http://127.0.0.1:{port} did not answer within 0.5 s" \
         in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
 
 
@@ -179,12 +183,10 @@ def test_survivor_trains_on_and_relaunched_group_heals_bitwise(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_no_failure_equals_hsdp(data, tmp_path):
-    steps = 5
-    hsdp = subprocess.run([sys.executable, str(WORKER), str(tmp_path), str(data), "hsdp", "--hsdp", "--devices", "4",
-                           "--steps", str(steps), "--final-state"], capture_output=True, text=True, timeout=300,
-                          env=__import__("dist_utils")._env())
-    assert hsdp.returncode == 0, (hsdp.stdout + hsdp.stderr)[-4000:]
+def test_no_failure_equals_hsdp(data, tmp_path, four):
+    from ft_replica import HSDP_STEPS
+
+    steps, hsdp = HSDP_STEPS, four["hsdp"]  # the reference: one HSDP job, in the suite's shared 4-rank launch
     groups = ReplicaGroups(tmp_path, data, "ft", devices=2, steps=steps, lighthouse_min_replicas=2,
                            extra=["--final-state"])
     try:
@@ -196,9 +198,7 @@ def test_no_failure_equals_hsdp(data, tmp_path):
     assert codes == {0: 0, 1: 0}, groups.logs()
     for g in (0, 1):
         for rank in (0, 1):
-            ft = groups.records(g, rank)
-            ref = [json.loads(line) for line in (tmp_path / f"hsdp.g0.rank{2 * g + rank}.jsonl").read_text()
-                   .splitlines() if '"step"' in line and '"event": "step"' in line]
+            ft, ref = groups.records(g, rank), hsdp[2 * g + rank]["records"]
             assert [r["ft"]["ft/live_replicas"] for r in ft] == [2] * steps
             # The same samples per global data-parallel rank, losses within 1e-6 at every step.
             assert [r["samples"] for r in ft] == [r["samples"] for r in ref]
@@ -207,7 +207,64 @@ def test_no_failure_equals_hsdp(data, tmp_path):
             torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-6)
             # And the weights after the last step: the same shard of the same parameters.
             mine = torch.load(tmp_path / f"ft.g{g}.rank{rank}.pt")
-            theirs = torch.load(tmp_path / f"hsdp.g0.rank{2 * g + rank}.pt")
+            theirs = torch.load(hsdp[2 * g + rank]["state"])
             assert mine.keys() == theirs.keys()
             for name in mine:
                 torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=1e-6)
+
+
+# -- fewer live groups than min_replicas: save and stop --------------------------------------------
+
+
+@pytest.mark.slow
+def test_below_min_replicas_the_survivor_saves_and_stops(data, tmp_path):
+    groups = ReplicaGroups(tmp_path, data, "min", steps=40, sleep=0.05, min_replicas=2, gated=True,
+                           extra=["--save-every", "100"])
+    try:
+        groups.launch(0)
+        groups.launch(1)
+        groups.wait_until(lambda: all(groups.records(g, event="start") for g in (0, 1)), 120, "both groups started")
+        groups.go()
+        groups.wait_until(lambda: any(r["step"] >= 3 for r in groups.records(1)), 120, "group 1's step 3")
+        groups.kill(1)
+        code = groups.procs[0][-1].wait(timeout=120)
+    finally:
+        groups.close()
+    assert code == 0, groups.logs()
+    records = groups.records(0)
+    last = records[-1]
+    # The step with one live group was not applied (its weights are the step before's) and was the last.
+    assert (last["ft"]["ft/live_replicas"], last["ft"]["ft/committed"]) == (1, 0), last
+    assert last["weights"] == records[-2]["weights"] and last["step"] < 40
+    assert all(r["ft"]["ft/committed"] for r in records[:-1])
+    stop = tmp_path / "min.ckpt" / f"ft-stopped-step={last['step']}.ckpt"
+    assert (stop / "manifest.json").exists(), sorted(p.name for p in (tmp_path / "min.ckpt").iterdir())
+    assert "fewer than min_replicas=2: the step was not applied; saving a checkpoint and stopping" in groups.logs()
+
+
+# -- the shipped config through ft-local ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ft_local_runs_the_shipped_config(tmp_path):
+    import csv
+
+    repo = HERE.parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_disttrain.cli", "ft-local", "--config", str(repo / "configs" /
+         "fault-tolerant.yaml"), "--groups", "2", "--log-dir", "runs/ftl", "--trainer.max_steps=4",
+         "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=4", "--data.init_args.val_batches=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=__import__("dist_utils")._env())
+    logs = "".join(p.read_text()[-3000:] for p in sorted((tmp_path / "runs" / "ftl").glob("group*.log")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    assert "group 0: exit code 0" in proc.stdout and "group 1: exit code 0" in proc.stdout
+    heals = 0
+    for g in (0, 1):  # each group's own CSV version directory, with the fault-tolerance metrics
+        rows = [r for r in csv.DictReader(open(tmp_path / "runs" / "fault-tolerant" / "logs" / f"replica_{g}" /
+                                               "metrics.csv")) if r.get("ft/live_replicas")]
+        # A group that reaches the lighthouse a second before the other trains its first steps
+        # alone (min_replicas 1), and the other heals from it when it arrives: both end together.
+        assert rows and rows[-1]["step"] == "3" and float(rows[-1]["ft/live_replicas"]) == 2.0, rows
+        assert all(float(r["ft/committed"]) == 1.0 for r in rows), rows
+        heals += int(float(rows[-1]["ft/heals"]))
+    assert heals <= 1
