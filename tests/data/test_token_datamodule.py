@@ -215,3 +215,29 @@ def test_only_validation_shards(tmp_path):
     write_shard(tmp_path / "x_val_000000.bin", np.arange(100))
     with pytest.raises(ValueError, match="only validation shards"):
         make_dm(str(tmp_path))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_seek_moves_training_mid_epoch_and_rebuilds_prefetched_batches(shard_dir, workers):
+    """Fault tolerance's heal: ``seek`` moves the next trained batch to another global sample,
+    mid-iteration. Batches the loader fetched before the seek are rebuilt when trained on; later
+    ones are produced at the new position. Rank 1 of 2, so the slice is a rank's, not the batch."""
+    from types import SimpleNamespace
+
+    dm = make_dm(shard_dir, 2, 1, num_workers=workers)
+    dm.trainer = SimpleNamespace(training=True, lightning_module=None)
+    loader = iter(dm.train_dataloader())
+    fetched = [next(loader) for _ in range(3)]  # batches 0, 1, 2 (a prefetching loop holds some ahead)
+    trained = [dm.on_before_batch_transfer(fetched[0], 0)]  # global samples [0, 8)
+    dm.seek(96)  # a peer is at global sample 96: the next trained batch starts there
+    trained += [dm.on_before_batch_transfer(b, 0) for b in fetched[1:]]
+    trained += [dm.on_before_batch_transfer(next(loader), 0) for _ in range(2)]
+    expected = [global_batches(shard_dir, 2, 1, consumed=c)[0][0][4:] for c in (0, 96, 104, 112, 120)]
+    for got, want in zip(trained, expected):
+        assert torch.equal(got[0], want)
+    # Without workers exactly the two fetched ahead; workers prefetch more (2 x prefetch_factor 2).
+    assert dm.consumed_samples == 128 and dm.stale_batches_rebuilt == (2 if workers == 0 else 4)
+    # A fresh iterator (next epoch, or after resume) starts at the position, without a double shift.
+    assert torch.equal(next(iter(dm.train_dataloader()))[0], global_batches(shard_dir, 2, 1, consumed=128)[0][0][4:])
+    with pytest.raises(ValueError, match="a data position is a number of global samples >= 0"):
+        dm.seek(-1)

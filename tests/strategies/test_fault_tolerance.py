@@ -29,6 +29,9 @@ from harness import MICRO_BATCH, expected_windows, write_indexed_shard  # noqa: 
 
 from lightning_disttrain.fault_tolerance import FaultTolerance  # noqa: E402
 
+# Ranks per replica group in the kill test: 1 in the suite (about 16 s); LDT_FT_KILL_DEVICES=2 runs it
+# with FSDP2 inside each group, so the healed state is DTensor shards (about 55 s on 2 cores).
+KILL_TEST_DEVICES = int(os.environ.get("LDT_FT_KILL_DEVICES", "1"))
 WORKER, LAUNCH = "ft_replica", {4: ["hsdp"]}  # the HSDP reference runs in conftest's shared 4-rank launch
 from lightning_disttrain.fault_tolerance.lighthouse import LighthouseUnreachable, check_reachable  # noqa: E402
 
@@ -113,7 +116,9 @@ def test_fit_with_an_unreachable_lighthouse_fails_fast(data, tmp_path):
 @pytest.mark.slow
 def test_survivor_trains_on_and_relaunched_group_heals_bitwise(data, tmp_path):
     steps, kill_after = 24, 5
-    groups = ReplicaGroups(tmp_path, data, "kill", steps=steps, sleep=0.05, gated=True, extra=["--save-every", "4"])
+    devices = KILL_TEST_DEVICES
+    groups = ReplicaGroups(tmp_path, data, "kill", devices=devices, steps=steps, sleep=0.05, gated=True,
+                           extra=["--save-every", "4"])
     try:
         groups.launch(0)
         groups.launch(1)
@@ -158,11 +163,11 @@ def test_survivor_trains_on_and_relaunched_group_heals_bitwise(data, tmp_path):
         assert (r["weights"], r["consumed"]) == (peer["weights"], peer["consumed"]), r["step"]
         # The healing group's gradient does not count in its heal step; from the next one it does.
         assert peer["ft"]["ft/live_replicas"] == r["ft"]["ft/live_replicas"] == (1 if r is heal else 2)
-    # Data: after its heal step the relaunched group reads its own slice (data-parallel rank 1 of
-    # 2) of the global batch at the shared position; the survivor reads rank 0's.
-    G = 2 * MICRO_BATCH
+    # Data: after its heal step the relaunched group's rank 0 reads its own slice (data-parallel
+    # rank `devices` of 2 * devices) of the global batch at the shared position; the survivor's, rank 0's.
+    G = 2 * devices * MICRO_BATCH
     for r in relaunched[1:]:
-        assert r["samples"] == expected_windows(r["consumed"] - G + MICRO_BATCH, MICRO_BATCH), r["step"]
+        assert r["samples"] == expected_windows(r["consumed"] - G + devices * MICRO_BATCH, MICRO_BATCH), r["step"]
     for r in survivor:
         assert r["samples"] == expected_windows(r["consumed"] - G, MICRO_BATCH), r["step"]
     # The missing group's share was skipped and counted, identically in both groups' counters.
