@@ -95,6 +95,8 @@ class ReplicaGroup:
         start = time.perf_counter()
         self.participants_now = int(self.manager.num_participants())  # waits for the quorum if not known yet
         self.quorum_wait_s = time.perf_counter() - start
+        # Also with one participant: a group healing in this step is not counted but takes part in
+        # the all-reduce, which is how it receives the step's gradients.
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for p in params:
             if p.requires_grad:

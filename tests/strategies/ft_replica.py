@@ -3,6 +3,7 @@ tests/strategies/test_fault_tolerance.py and benchmarks/bench_fault_tolerance.py
 
     python ft_replica.py OUT DATA RUN --devices N --replica-id G --groups R --lighthouse ADDR
     python ft_replica.py OUT DATA RUN --devices 2N --hsdp          # dp_replicate=2 x dp_shard=N, no torchft
+    python ft_replica.py OUT DATA RUN --plain                      # NDParallelStrategy() on --devices, no torchft
 
 The project's pieces throughout: NDParallelStrategy(fault_tolerance=...), GPTModule (dropout, a
 cosine schedule), TokenDataModule over the indexed shard of tests/checkpoint/scripts/harness.py
@@ -81,6 +82,7 @@ class StepLog(L.Callback):
             self._write({"event": "held", "step": trainer.global_step})
             while (self.gate / "hold").exists():
                 time.sleep(0.02)
+            self._write({"event": "released", "step": trainer.global_step, "t": time.time()})
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         writes = getattr(trainer.strategy, "_ft_writes_checkpoints", lambda: True)()
@@ -104,6 +106,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--connect-timeout", type=float, default=5.0)
     parser.add_argument("--hsdp", action="store_true")
+    parser.add_argument("--plain", action="store_true", help="no fault tolerance, one data-parallel world of --devices")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--final-state", action="store_true")
@@ -115,8 +118,8 @@ def parser() -> argparse.ArgumentParser:
 
 def fit(args: argparse.Namespace) -> StepLog:
     L.seed_everything(1234, workers=True)
-    if args.hsdp:
-        strategy = NDParallelStrategy(dp_replicate=2, dp_shard=args.devices // 2)
+    if args.hsdp or args.plain:
+        strategy = NDParallelStrategy(dp_replicate=2, dp_shard=args.devices // 2) if args.hsdp else NDParallelStrategy()
         group = 0
     else:
         strategy = NDParallelStrategy(fault_tolerance=dict(

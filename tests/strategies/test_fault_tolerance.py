@@ -8,7 +8,6 @@ lock step with bitwise-equal weights; with no failure the run equals one HSDP ru
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess

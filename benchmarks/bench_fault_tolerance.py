@@ -1,0 +1,208 @@
+"""Fault tolerance across replica groups (issue 27): what the quorum costs per step, how long the
+survivors wait after a group dies, what a heal costs by model size, and the work a failure loses
+compared with checkpoint/restart.
+
+Every run is ``tests/strategies/ft_replica.py`` (the tiny GPT unless said, TokenDataModule over the
+indexed test shard, micro-batch 2 x 32 tokens per rank) started as the tests start it
+(``tests/strategies/ft_launch.py``: a torchft lighthouse in this process, each group its own
+launch); times come from the per-step records (``time.time()`` at each step's end, rank 0).
+
+- overhead, in rounds (each variant once per round, ``--steps`` steps each; the median step of
+  steps 5..end): one process without fault tolerance vs one fault-tolerant group alone (what the
+  quorum, the commit and the state capture cost when there is nobody to reduce with), and HSDP over
+  2 processes (dp_replicate=2: FSDP2 replicating over 2 ranks) vs 2 fault-tolerant groups of 1
+  process (one flat all-reduce per step through torchft instead of FSDP2's). Also the median
+  ``ft/quorum_wait_ms`` (the quorum not ready when the gradients are) and ``ft/allreduce_ms`` (with
+  the wait for the other group).
+- failure: group 1 is SIGKILLed at an arbitrary moment (about its step 10); the time from the kill
+  to the end of the survivor's first committed step without it (live replicas 1), per lighthouse
+  heartbeat timeout, and how many survivor steps ending after the kill were not committed.
+- heal: group 0 trains alone, group 1 is launched and heals from it; by model: the survivor's heal
+  step minus its median step (serving the state), the joiner's ``load_state_dict`` time, and the
+  joiner's process start to its first (heal) step.
+- lost work per failure (computed from the above): fault tolerance loses the survivors' wait;
+  checkpoint/restart loses half a checkpoint interval plus a restart of every group.
+
+    python benchmarks/bench_fault_tolerance.py --repeats 3
+
+Results: printed; JSON under benchmarks/out/fault_tolerance.json.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_common import REPO, header, parser, part, report, spread, table
+
+sys.path[:0] = [str(REPO / "tests" / "strategies"), str(REPO / "tests"), str(REPO / "tests" / "checkpoint" / "scripts")]
+from ft_launch import WORKER, ReplicaGroups  # noqa: E402
+
+
+def step_times(records: list[dict], first: int = 5) -> list[float]:
+    t = [r["t"] for r in records]
+    return [b - a for a, b in zip(t[first - 1:], t[first:])]
+
+
+def reference_run(work: Path, data: Path, steps: int, tag: str, devices: int) -> list[dict]:
+    """Without fault tolerance: HSDP over 2 processes, or one process."""
+    from dist_utils import _env
+
+    mode = ["--hsdp", "--devices", "2"] if devices == 2 else ["--plain"]
+    subprocess.run([sys.executable, str(WORKER), str(work), str(data), tag, *mode, "--steps", str(steps)], check=True,
+                   env=_env(), capture_output=True, timeout=600)
+    import json
+
+    return [json.loads(line) for line in (work / f"{tag}.g0.rank0.jsonl").read_text().splitlines()
+            if '"event": "step"' in line]
+
+
+def ft_run(work: Path, data: Path, steps: int, tag: str, groups_n: int) -> list[dict]:
+    groups = ReplicaGroups(work, data, tag, groups=groups_n, steps=steps, lighthouse_min_replicas=groups_n)
+    try:
+        for g in range(groups_n):
+            groups.launch(g)
+        codes = groups.wait_all(600)
+        assert set(codes.values()) == {0}, groups.logs()
+        return groups.records(0)
+    finally:
+        groups.close()
+
+
+OVERHEAD_VARIANTS = {  # name -> (fault-tolerant groups or None, processes)
+    "1 process": (None, 1), "1 fault-tolerant group (quorum of 1)": (1, 1),
+    "HSDP, 2 processes (dp_replicate=2)": (None, 2), "2 fault-tolerant groups x 1 process": (2, 2),
+}
+
+
+def overhead(work: Path, data: Path, steps: int, repeats: int) -> dict:
+    out: dict = {name: {"step_s": [], "quorum_wait_ms": [], "allreduce_ms": []} for name in OVERHEAD_VARIANTS}
+    for i in range(repeats):  # rounds: every variant once per round, in turn
+        for j, (name, (groups_n, procs)) in enumerate(OVERHEAD_VARIANTS.items()):
+            tag = f"o{i}_{j}"
+            records = reference_run(work, data, steps, tag, procs) if groups_n is None \
+                else ft_run(work, data, steps, tag, groups_n)
+            out[name]["step_s"].append(statistics.median(step_times(records)))
+            if groups_n is not None:
+                out[name]["quorum_wait_ms"].append(statistics.median(r["ft"]["ft/quorum_wait_ms"] for r in records[4:]))
+                out[name]["allreduce_ms"].append(statistics.median(r["ft"]["ft/allreduce_ms"] for r in records[4:]))
+    names = list(OVERHEAD_VARIANTS)
+    out["ratio_1"] = [f / p for f, p in zip(out[names[1]]["step_s"], out[names[0]]["step_s"])]
+    out["ratio_2"] = [f / h for f, h in zip(out[names[3]]["step_s"], out[names[2]]["step_s"])]
+    return out
+
+
+def failure(work: Path, data: Path, heartbeat_ms: int, tag: str) -> dict:
+    groups = ReplicaGroups(work, data, tag, steps=400, sleep=0.02, heartbeat_timeout_ms=heartbeat_ms, gated=True)
+    try:
+        groups.launch(0)
+        groups.launch(1)
+        groups.wait_until(lambda: all(groups.records(g, event="start") for g in (0, 1)), 120, "start")
+        groups.go()
+        groups.wait_until(lambda: len(groups.records(1)) >= 10, 120, "group 1's step 10")
+        time.sleep(0.037)  # not aligned with a step boundary
+        killed = time.time()
+        groups.kill(1)
+        def alone(r: dict) -> bool:
+            return r["t"] > killed and r["ft"]["ft/committed"] and r["ft"]["ft/live_replicas"] == 1
+
+        groups.wait_until(lambda: any(alone(r) for r in groups.records(0)), 120, "the survivor's first step alone")
+        after = [r for r in groups.records(0) if r["t"] > killed]
+        before = step_times([r for r in groups.records(0) if r["t"] <= killed])
+        commit = next(r for r in after if alone(r))
+        return {"kill_to_commit_s": commit["t"] - killed, "median_step_s": statistics.median(before),
+                "uncommitted": sum(1 for r in after[:after.index(commit)] if not r["ft"]["ft/committed"])}
+    finally:
+        groups.close()
+
+
+def heal(work: Path, data: Path, model: str, tag: str) -> dict:
+    groups = ReplicaGroups(work, data, tag, steps=12, gated=True, extra=["--model", model])
+    try:
+        groups.go()
+        groups.launch(0)
+        groups.wait_until(lambda: len(groups.records(0)) >= 4, 600, "group 0's step 4")
+        groups.hold(True)
+        groups.wait_until(lambda: groups.records(0, event="held"), 600, "group 0 held")
+        launched = time.time()
+        groups.launch(1)
+        groups.wait_until(lambda: groups.records(1, event="start"), 600, "group 1 started")
+        groups.hold(False)
+        codes = groups.wait_all(900)
+        assert codes == {0: 0, 1: 0}, groups.logs()
+        survivor, joiner = groups.records(0), groups.records(1)
+        first = joiner[0]
+        assert first["ft"]["ft/heals"] == 1
+        by_step = {r["step"]: r for r in survivor}
+        released = groups.records(0, event="released")[0]["t"]  # the step before waited (held) until then
+        heal_step = by_step[first["step"]]["t"] - released
+        normal = statistics.median(step_times(survivor, first=2)[:2] + step_times(survivor)[-3:])
+        import torch
+
+        from lightning_disttrain.models.gpt import GPT, GPTConfig
+
+        with torch.device("meta"):
+            params = sum(p.numel() for p in GPT(GPTConfig.from_name(model, vocab_size=257)).parameters())
+        return {"survivor_heal_step_s": heal_step, "survivor_median_step_s": normal,
+                "apply_s": first["ft"]["ft/last_heal_ms"] / 1e3, "launch_to_heal_step_s": first["t"] - launched,
+                "params": params, "weights_equal": first["weights"] == by_step[first["step"]]["weights"]}
+    finally:
+        groups.close()
+
+
+def main() -> None:
+    p = parser(__doc__, steps=(40, "steps per overhead run"), repeats=(3, "rounds"))
+    p.add_argument("--parts", default="overhead,failure,heal")
+    p.add_argument("--models", default="tiny,small,gpt2-124m")
+    args = p.parse_args()
+    header("bench_fault_tolerance", "2 replica groups x 1 CPU process (gloo), torchft lighthouse in this process")
+    from harness import write_indexed_shard
+
+    work = Path(tempfile.mkdtemp(prefix="ldt_ft_bench_"))
+    data = work / "data"
+    write_indexed_shard(data)
+    parts = args.parts.split(",")
+    result: dict = {"args": vars(args)}
+    try:
+        if "overhead" in parts:
+            with part("overhead"):
+                o = result["overhead"] = overhead(work, data, args.steps, args.repeats)
+                rows = [(name, " ".join(f"{1e3 * x:.1f}" for x in o[name]["step_s"]),
+                         spread(o[name]["quorum_wait_ms"]) if o[name]["quorum_wait_ms"] else None,
+                         spread(o[name]["allreduce_ms"]) if o[name]["allreduce_ms"] else None)
+                        for name in OVERHEAD_VARIANTS]
+                print(table(["run", "median step ms, per round", "quorum wait ms", "allreduce ms"], rows))
+                print(f"1 group / 1 process, round by round (min median max): {spread(o['ratio_1'])}; "
+                      f"2 groups / HSDP: {spread(o['ratio_2'])}\n")
+        if "failure" in parts:
+            with part("failure"):
+                rows, result["failure"] = [], {}
+                for hb in (1000, 5000):
+                    runs = [failure(work, data, hb, f"fail{hb}_{i}") for i in range(args.repeats if hb == 1000 else 1)]
+                    result["failure"][hb] = runs
+                    rows.append((hb, spread([r["kill_to_commit_s"] for r in runs]),
+                                 " ".join(str(r["uncommitted"]) for r in runs),
+                                 statistics.median(r["median_step_s"] for r in runs) * 1e3))
+                print(table([("heartbeat timeout ms", ""), "kill -> next commit s (min median max)",
+                             "uncommitted steps", ("median step ms", ".1f")], rows) + "\n")
+        if "heal" in parts:
+            with part("heal"):
+                rows, result["heal"] = [], {}
+                for model in args.models.split(","):
+                    h = result["heal"][model] = heal(work, data, model, f"heal_{model}")
+                    rows.append((model, h["params"] / 1e6, h["survivor_median_step_s"] * 1e3, h["survivor_heal_step_s"] * 1e3,
+                                 h["apply_s"] * 1e3, h["launch_to_heal_step_s"], h["weights_equal"]))
+                print(table(["model", ("params M", ".2f"), ("survivor step ms", ".0f"), ("its heal step ms", ".0f"),
+                             ("joiner apply ms", ".0f"), ("joiner launch -> heal step s", ".1f"), "bitwise"], rows))
+    finally:
+        report("fault_tolerance", result)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
