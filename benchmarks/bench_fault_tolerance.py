@@ -20,8 +20,12 @@ launch); times come from the per-step records (``time.time()`` at each step's en
 - heal: group 0 trains alone, group 1 is launched and heals from it; by model: the survivor's heal
   step minus its median step (serving the state), the joiner's ``load_state_dict`` time, and the
   joiner's process start to its first (heal) step.
-- lost work per failure (computed from the above): fault tolerance loses the survivors' wait;
-  checkpoint/restart loses half a checkpoint interval plus a restart of every group.
+- restart: one process of the same job saving a DCP checkpoint every 5 steps: the save's cost C
+  (the save step's extra time) and process start to the first step R.
+- lost work per failure (computed from the above, group-seconds, 2 groups): checkpoint/restart
+  stops every group for half a Young/Daly checkpoint interval sqrt(2 C M) plus R; fault tolerance
+  loses the survivor's wait (kill -> first step alone, less a step) plus the dead group's relaunch
+  (launch -> heal step).
 
     python benchmarks/bench_fault_tolerance.py --repeats 3
 
@@ -155,9 +159,47 @@ def heal(work: Path, data: Path, model: str, tag: str) -> dict:
         groups.close()
 
 
+def checkpoint_cost(work: Path, data: Path, tag: str) -> dict:
+    """One process of the same job saving a DCP checkpoint every 5 steps: the save steps' extra time
+    over the median step (C), and process start to the first step (R, a restart's floor)."""
+    from dist_utils import _env
+
+    started = time.time()
+    subprocess.run([sys.executable, str(WORKER), str(work), str(data), tag, "--plain", "--steps", "21",
+                    "--save-every", "5"], check=True, env=_env(), capture_output=True, timeout=600)
+    import json
+
+    lines = [json.loads(line) for line in (work / f"{tag}.g0.rank0.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r["event"] == "step"]
+    saved = {r["step"] for r in lines if r["event"] == "save"}
+    durations = {b["step"]: b["t"] - a["t"] for a, b in zip(steps, steps[1:])}
+    # A save at the end of step s delays the record of step s + 1.
+    save_steps = [durations[s + 1] for s in saved if s + 1 in durations]
+    normal = statistics.median(d for s, d in durations.items() if s - 1 not in saved)
+    return {"save_s": statistics.median(save_steps) - normal, "step_s": normal, "start_to_first_step_s":
+            steps[0]["t"] - started}
+
+
+def lost_work(heal: dict, failure: dict, cost: dict, groups: int = 2) -> list[tuple]:
+    """Group-seconds of training lost per failure (computed): checkpoint/restart stops every group for
+    half a checkpoint interval (Young/Daly: sqrt(2 C M) for a job MTBF M) plus a restart; fault
+    tolerance loses the survivors' wait and the dead group's relaunch."""
+    import math
+
+    rows = []
+    wait = statistics.median(r["kill_to_commit_s"] for r in failure[1000]) - cost["step_s"]
+    relaunch = heal["launch_to_heal_step_s"]
+    for mtbf_h in (1, 24):
+        interval = math.sqrt(2 * cost["save_s"] * mtbf_h * 3600)
+        restart = groups * (interval / 2 + cost["start_to_first_step_s"])
+        ft = (groups - 1) * wait + relaunch
+        rows.append((mtbf_h, interval, restart, ft, restart / ft))
+    return rows
+
+
 def main() -> None:
     p = parser(__doc__, steps=(40, "steps per overhead run"), repeats=(3, "rounds"))
-    p.add_argument("--parts", default="overhead,failure,heal")
+    p.add_argument("--parts", default="overhead,failure,heal,restart")
     p.add_argument("--models", default="tiny,small,gpt2-124m")
     args = p.parse_args()
     header("bench_fault_tolerance", "2 replica groups x 1 CPU process (gloo), torchft lighthouse in this process")
@@ -199,6 +241,17 @@ def main() -> None:
                                  h["apply_s"] * 1e3, h["launch_to_heal_step_s"], h["weights_equal"]))
                 print(table(["model", ("params M", ".2f"), ("survivor step ms", ".0f"), ("its heal step ms", ".0f"),
                              ("joiner apply ms", ".0f"), ("joiner launch -> heal step s", ".1f"), "bitwise"], rows))
+        if "restart" in parts:
+            with part("restart"):
+                cost = result["checkpoint"] = checkpoint_cost(work, data, "ckpt")
+                print(f"tiny, 1 process: DCP save {1e3 * cost['save_s']:.0f} ms over a {1e3 * cost['step_s']:.0f} ms step; "
+                      f"process start -> first step {cost['start_to_first_step_s']:.1f} s")
+                if "heal" in result and "failure" in result:
+                    rows = lost_work(result["heal"]["tiny"], result["failure"], cost)
+                    result["lost_work"] = rows
+                    print("lost group-seconds per failure, 2 groups of the tiny model (computed from the figures above):")
+                    print(table([("job MTBF h", ""), ("checkpoint interval s", ".0f"), ("restart: 2 x (interval/2 + R)", ".1f"),
+                                 ("fault tolerant: wait + relaunch", ".1f"), ("ratio", ".1f")], rows))
     finally:
         report("fault_tolerance", result)
         shutil.rmtree(work, ignore_errors=True)
