@@ -220,9 +220,12 @@ class FaultTolerantStepMixin:
     def _ft_heal(self, state: dict[str, Any]) -> None:
         """Take a live group's state, inside this step's commit (on the main thread)."""
         trainer = compat.trainer_of(self.lightning_module)
+        from lightning_disttrain.fault_tolerance.state import model_state_here, optimizer_state_here
+
         mine = self._ft_capture
-        self.lightning_module.load_state_dict(state["model"])
-        self.optimizers[0].load_state_dict(state["optimizer"])
+        # On this rank's devices and meshes: torchft sends every tensor through host memory.
+        self.lightning_module.load_state_dict(model_state_here(state["model"], self.lightning_module))
+        self.optimizers[0].load_state_dict(optimizer_state_here(state["optimizer"], self.optimizers[0]))
         for config, scheduler_state in zip(self.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(scheduler_state)
         compat.move_training_position(trainer, state["position"], mine["position"])

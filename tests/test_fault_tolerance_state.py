@@ -1,0 +1,61 @@
+"""A healing replica group's received state, rebuilt on the receiving rank's tensors
+(``fault_tolerance/state.py``): its own mesh objects and devices, the moments on the parameters,
+Adam's step left to the optimizer; a shard of another layout refused. One process, a 1-rank mesh."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from lightning_disttrain.fault_tolerance.state import like, model_state_here, optimizer_state_here
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert not dist.is_initialized(), "an earlier test left a process group initialised in this process"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_received_dtensors_land_on_this_ranks_mesh(mesh):
+    module = torch.nn.Linear(4, 3, bias=False)
+    module.weight = torch.nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Shard(0)]))
+    sent = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    sent["weight"] = pickle.loads(pickle.dumps(sent["weight"]))  # as it arrives: unpickled, a copy of the mesh
+    sent["weight"].to_local().add_(1.0)
+    here = model_state_here(sent, module)
+    assert isinstance(here["weight"], DTensor) and here["weight"].device_mesh is module.weight.device_mesh
+    assert here["weight"].placements == module.weight.placements
+    assert torch.equal(here["weight"].to_local(), sent["weight"].to_local())
+    module.load_state_dict(here)
+    assert torch.equal(module.weight.to_local(), sent["weight"].to_local())
+
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    module.weight.grad = distribute_tensor(torch.ones(3, 4), mesh, [Shard(0)])
+    optimizer.step()
+    received = pickle.loads(pickle.dumps(optimizer.state_dict()))
+    fresh = torch.optim.AdamW(module.parameters(), lr=0.1)  # a joiner: no state yet
+    moved = optimizer_state_here(received, fresh)
+    weight_index = [id(p) for p in module.parameters()].index(id(module.weight))
+    moment = moved["state"][weight_index]["exp_avg"]
+    assert isinstance(moment, DTensor) and moment.device_mesh is module.weight.device_mesh
+    assert moved["state"][weight_index]["step"] is received["state"][weight_index]["step"]
+    fresh.load_state_dict(moved)
+    fresh.step()  # the moments and the parameters meet in one foreach kernel
+
+
+def test_a_shard_of_another_layout_is_refused(mesh):
+    mine = distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match=r"received a shard of shape \(3, 2\) where this rank holds \(4, 2\): every "
+                                         r"replica group must use the same layout"):
+        like(torch.zeros(3, 2), mine)
+    plain = like(torch.ones(2), torch.zeros(2))
+    assert plain.device == torch.device("cpu") and torch.equal(plain, torch.ones(2))
