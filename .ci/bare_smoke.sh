@@ -27,4 +27,9 @@ LDT="$VENV/bin/lightning-disttrain"
 "$LDT" plan --model tiny --gpu cpu --gpu-memory 8 --gpus-per-node 2 --seq-len 128 --global-batch 16
 "$LDT" export runs/smoke/last.ckpt model.pt
 "$LDT" eval model.pt --tasks piqa,lambada_openai --limit 8 --output evals.json
+# Fault tolerance needs the [ft] extra (torchft: Linux x86_64 wheels only): a bare install says so in one line.
+if ! "$VENV/bin/python" -c "import torchft" 2>/dev/null; then
+  "$LDT" ft-local --config quickstart.yaml > ft.txt 2>&1 && { echo "ft-local ran without torchft"; exit 1; }
+  grep -q "pip install 'lightning-disttrain\[ft\]'" ft.txt || { cat ft.txt; exit 1; }
+fi
 "$VENV/bin/python" -c "import json; r = json.load(open('evals.json')); assert 'piqa' in r['metrics'], r; print('bare install: ok')"

@@ -78,22 +78,41 @@ def _short_error(result: subprocess.CompletedProcess, max_lines: int = 4) -> str
 # ---- 2. dependencies -----------------------------------------------------------------------------
 
 
+OPTIONAL = {"torchft": "ft"}
+"""Imports allowed outside [project].dependencies: declared in that extra, and only inside functions
+(the feature's code path; a bare install imports every module without them). torchft has wheels
+for Linux x86_64 only, so it cannot be a dependency of every install."""
+
+
+def _names(pyproject: dict, key: str | None) -> set[str]:
+    reqs = pyproject["project"]["dependencies"] if key is None else pyproject["project"]["optional-dependencies"][key]
+    return {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].strip().lower().replace("_", "-") for req in reqs}
+
+
 def test_every_third_party_import_is_a_declared_dependency():
-    declared = set()
-    for req in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
-        declared.add(re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].strip().lower().replace("_", "-"))
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    declared = _names(pyproject, None)
     imported: dict[str, str] = {}
+    top_level: dict[str, str] = {}
     for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        for n in ast.walk(f)}
+        for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
             for name in names:
                 top = name.split(".")[0]
                 if top not in sys.stdlib_module_names and top != "lightning_disttrain":
                     imported.setdefault(top, str(path.relative_to(REPO)))
+                    if id(node) not in in_functions:
+                        top_level.setdefault(top, str(path.relative_to(REPO)))
     missing = {top: where for top, where in imported.items()
-               if DIST.get(top, top).lower().replace("_", "-") not in declared}
+               if DIST.get(top, top).lower().replace("_", "-") not in declared and top not in OPTIONAL}
     assert not missing, f"imported but not in [project].dependencies: {missing}"
+    for top, extra in OPTIONAL.items():
+        assert top in _names(pyproject, extra), f"{top} is not declared in the [{extra}] extra"
+        assert top not in top_level, f"{top} (the [{extra}] extra) is imported at module level in {top_level[top]}"
 
 
 # ---- 3. no ../shared in what a user runs ---------------------------------------------------------

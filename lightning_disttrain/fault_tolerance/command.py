@@ -36,6 +36,12 @@ def _lighthouse_args(p: argparse.ArgumentParser) -> None:
 
 def _start(args: argparse.Namespace, port: int):
     from lightning_disttrain.fault_tolerance.lighthouse import start_lighthouse
+    from lightning_disttrain.fault_tolerance.replicas import require_torchft
+
+    try:
+        require_torchft()
+    except ImportError as err:
+        raise ValueError(str(err)) from None  # one line from the CLI: what to install
 
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at INFO otherwise
     return start_lighthouse(port, min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,

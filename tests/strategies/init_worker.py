@@ -66,7 +66,10 @@ def config_layout(name: str) -> tuple[object, str, dict, dict]:
         entry = StrategyRegistry[strategy]
         strategy = entry["strategy"](**{**entry["init_params"], "empty_init": True})
     else:
-        strategy = _class(strategy["class_path"])(**{**strategy.get("init_args", {}), "empty_init": True})
+        # fault_tolerance joins replica groups through a lighthouse; the layout inside a group,
+        # which is what initialises the weights, is the rest of the arguments.
+        init_args = {k: v for k, v in strategy.get("init_args", {}).items() if k != "fault_tolerance"}
+        strategy = _class(strategy["class_path"])(**{**init_args, "empty_init": True})
     preset = model.get("config", "tiny")
     preset = "tiny" if preset not in ("tiny", "tiny-moe") else preset  # gpt2-124m: too large for CPU tests
     kwargs = {"precision": trainer.get("precision", "32-true")}
