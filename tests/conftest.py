@@ -42,7 +42,10 @@ _LAUNCH_FIXTURES = {"launched", "two", "four"}
 
 def _order(item) -> int:
     """0: tests that are not slow (in-process, or one subprocess); 1: tests reading the shared
-    launches; 2: other slow (multi-process) tests."""
+    launches; 2: other slow (multi-process) tests, and readers that start processes of their own
+    (marked ``own_processes``): beside a launch still running they would slow both."""
+    if item.get_closest_marker("own_processes"):
+        return 2
     if _LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
         return 1
     return 2 if item.get_closest_marker("slow") else 0
@@ -122,6 +125,9 @@ def _background_launches(tmp_path_factory):
     """Start every needed launch, one after another, in a thread beside the first tests."""
     for devices in sorted(_NEEDED):
         _LAUNCHES[devices] = _Launch()
+    # Create pytest's base temporary directory here, once: created lazily by the thread and a test's
+    # tmp_path at the same time, one of them got "... is not a normalized and relative path".
+    tmp_path_factory.getbasetemp()
 
     def run_all() -> None:
         for devices in sorted(_NEEDED):

@@ -94,6 +94,10 @@ class StepLog(L.Callback):
             f.write(json.dumps(record) + "\n")
 
 
+LAYOUTS = {"fsdp": {}, "tp": {"tp": 2}, "pp": {"pp": 2}}
+"""The layout inside one replica group of 2 ranks (the HSDP reference: 2 replicas of it)."""
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -113,16 +117,20 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--gate", default=None)
+    parser.add_argument("--layout", default="fsdp", choices=sorted(LAYOUTS),
+                        help="inside each group (and the reference's replicas): dp_shard, tp or pp over --devices")
     return parser
 
 
 def fit(args: argparse.Namespace) -> StepLog:
     L.seed_everything(1234, workers=True)
+    layout = LAYOUTS[args.layout]
     if args.hsdp or args.plain:
-        strategy = NDParallelStrategy(dp_replicate=2, dp_shard=args.devices // 2) if args.hsdp else NDParallelStrategy()
+        strategy = NDParallelStrategy(dp_replicate=2, **(layout or {"dp_shard": args.devices // 2})) if args.hsdp \
+            else NDParallelStrategy()
         group = 0
     else:
-        strategy = NDParallelStrategy(fault_tolerance=dict(
+        strategy = NDParallelStrategy(**layout, fault_tolerance=dict(
             num_replica_groups=args.groups, replica_id=args.replica_id, lighthouse=args.lighthouse,
             min_replicas=args.min_replicas, timeout_s=20, quorum_timeout_s=60, connect_timeout_s=args.connect_timeout))
         group = args.replica_id
@@ -139,7 +147,7 @@ def fit(args: argparse.Namespace) -> StepLog:
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=bool(args.save_every),
                         default_root_dir=str(out))
-    module = build_module(total_steps=args.steps)
+    module = build_module(total_steps=args.steps, untied=args.layout == "pp")
     if args.model != "tiny":
         from lightning_disttrain.module import GPTModule
 
@@ -156,19 +164,21 @@ HSDP_STEPS = 5
 
 
 def fit_run(run: str, devices: int) -> dict:
-    """The HSDP reference (dp_replicate=2 x dp_shard=2) inside the suite's shared 4-rank launch."""
+    """The reference (2 replicas of a 2-rank layout: "hsdp" = dp_replicate=2 x dp_shard=2, "hsdp_tp",
+    "hsdp_pp") inside the suite's shared 4-rank launch."""
     from harness import write_indexed_shard
 
-    assert run == "hsdp" and devices == 4, (run, devices)
+    layout = {"hsdp": "fsdp", "hsdp_tp": "tp", "hsdp_pp": "pp"}[run]
+    assert devices == 4, (run, devices)
     out = Path(os.environ["LDT_LAUNCH_OUT"])
     data = out / f"ft_data.{os.getpid()}"  # the deterministic indexed shard, one copy per process
     write_indexed_shard(data)
-    log = fit(parser().parse_args([str(out), str(data), "ft_hsdp", "--hsdp", "--devices", "4", "--steps",
-                                   str(HSDP_STEPS), "--final-state"]))
+    log = fit(parser().parse_args([str(out), str(data), f"ft_{run}", "--hsdp", "--devices", "4", "--steps",
+                                   str(HSDP_STEPS), "--final-state", "--layout", layout]))
     import torch.distributed as dist
 
     return {"records": [r for r in log.records if r["event"] == "step"],
-            "state": str(out / f"ft_hsdp.g0.rank{dist.get_rank()}.pt")}
+            "state": str(out / f"ft_{run}.g0.rank{dist.get_rank()}.pt")}
 
 
 def main() -> None:

@@ -31,7 +31,10 @@ from lightning_disttrain.fault_tolerance import FaultTolerance  # noqa: E402
 # Ranks per replica group in the kill test: 1 in the suite (about 16 s); LDT_FT_KILL_DEVICES=2 runs it
 # with FSDP2 inside each group, so the healed state is DTensor shards (about 55 s on 2 cores).
 KILL_TEST_DEVICES = int(os.environ.get("LDT_FT_KILL_DEVICES", "1"))
-WORKER, LAUNCH = "ft_replica", {4: ["hsdp"]}  # the HSDP reference runs in conftest's shared 4-rank launch
+# Tensor and pipeline parallel inside the groups too (their references in the shared 4-rank launch):
+# LDT_FT_EXTENDED=1 (about 1 min more on 2 cores; the suite checks FSDP2 inside the groups).
+EXTENDED = os.environ.get("LDT_FT_EXTENDED") == "1"
+WORKER, LAUNCH = "ft_replica", {4: ["hsdp"] + (["hsdp_tp", "hsdp_pp"] if EXTENDED else [])}  # by conftest.py
 from lightning_disttrain.fault_tolerance.lighthouse import LighthouseUnreachable, check_reachable  # noqa: E402
 
 
@@ -186,13 +189,20 @@ def test_survivor_trains_on_and_relaunched_group_heals_bitwise(data, tmp_path):
 # -- no failure: the same run as one HSDP job ------------------------------------------------------
 
 
+_EXTENDED_ONLY = pytest.mark.skipif(not EXTENDED, reason="LDT_FT_EXTENDED=1 runs it (about 30 s)")
+
+
 @pytest.mark.slow
-def test_no_failure_equals_hsdp(data, tmp_path, four):
+@pytest.mark.own_processes  # its 4 fault-tolerant processes run after the shared launches, not beside them
+@pytest.mark.parametrize("layout", ["fsdp", pytest.param("tp", marks=_EXTENDED_ONLY),
+                                    pytest.param("pp", marks=_EXTENDED_ONLY)])
+def test_no_failure_equals_hsdp(data, tmp_path, four, layout):
+    """2 groups of 2 ranks (dp_shard=2, tp=2 or pp=2 inside) against one job of 2 replicas of the same."""
     from ft_replica import HSDP_STEPS
 
-    steps, hsdp = HSDP_STEPS, four["hsdp"]  # the reference: one HSDP job, in the suite's shared 4-rank launch
+    steps, hsdp = HSDP_STEPS, four[{"fsdp": "hsdp", "tp": "hsdp_tp", "pp": "hsdp_pp"}[layout]]
     groups = ReplicaGroups(tmp_path, data, "ft", devices=2, steps=steps, lighthouse_min_replicas=2,
-                           extra=["--final-state"])
+                           extra=["--final-state", "--layout", layout])
     try:
         groups.launch(0)
         groups.launch(1)
@@ -202,16 +212,19 @@ def test_no_failure_equals_hsdp(data, tmp_path, four):
     assert codes == {0: 0, 1: 0}, groups.logs()
     for g in (0, 1):
         for rank in (0, 1):
-            ft, ref = groups.records(g, rank), hsdp[2 * g + rank]["records"]
+            # The reference's rank holding group g's rank: pp is outermost in the mesh, so its
+            # replicas interleave; dp_shard and tp are inside dp_replicate.
+            ref_rank = 2 * rank + g if layout == "pp" else 2 * g + rank
+            ft, ref = groups.records(g, rank), hsdp[ref_rank]["records"]
             assert [r["ft"]["ft/live_replicas"] for r in ft] == [2] * steps
             # The same samples per global data-parallel rank, losses within 1e-6 at every step.
             assert [r["samples"] for r in ft] == [r["samples"] for r in ref]
             losses = torch.tensor([float.fromhex(r["loss"]) for r in ft])
             ref_losses = torch.tensor([float.fromhex(r["loss"]) for r in ref])
-            torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-6)
+            torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-6, equal_nan=True)
             # And the weights after the last step: the same shard of the same parameters.
             mine = torch.load(tmp_path / f"ft.g{g}.rank{rank}.pt")
-            theirs = torch.load(hsdp[2 * g + rank]["state"])
+            theirs = torch.load(hsdp[ref_rank]["state"])
             assert mine.keys() == theirs.keys()
             for name in mine:
                 torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=1e-6)
