@@ -104,14 +104,8 @@ def overhead(work: Path, data: Path, steps: int, repeats: int) -> dict:
 def failure(work: Path, data: Path, heartbeat_ms: int, tag: str) -> dict:
     groups = ReplicaGroups(work, data, tag, steps=400, sleep=0.02, heartbeat_timeout_ms=heartbeat_ms, gated=True)
     try:
-        groups.launch(0)
-        groups.launch(1)
-        groups.wait_until(lambda: all(groups.records(g, event="start") for g in (0, 1)), 120, "start")
-        groups.go()
-        groups.wait_until(lambda: len(groups.records(1)) >= 10, 120, "group 1's step 10")
-        time.sleep(0.037)  # not aligned with a step boundary
-        killed = time.time()
-        groups.kill(1)
+        killed = groups.start_and_kill(1, 10, delay=0.037)  # the delay: not aligned with a step boundary
+
         def alone(r: dict) -> bool:
             return r["t"] > killed and r["ft"]["ft/committed"] and r["ft"]["ft/live_replicas"] == 1
 

@@ -59,6 +59,21 @@ class ReplicaGroups:
         self.procs[g].append(proc)
         return proc
 
+    def start_and_kill(self, victim: int, after_step: int, delay: float = 0.0) -> float:
+        """Launch every group, release them together once all have started (``gated``), and SIGKILL
+        group ``victim`` ``delay`` s after it recorded step ``after_step``; return the kill time."""
+        for g in range(self.groups):
+            self.launch(g)
+        self.wait_until(lambda: all(self.records(g, event="start") for g in range(self.groups)), 120,
+                        "every group started")
+        self.go()
+        self.wait_until(lambda: any(r["step"] >= after_step for r in self.records(victim)), 120,
+                        f"group {victim}'s step {after_step}")
+        time.sleep(delay)
+        killed = time.time()
+        self.kill(victim)
+        return killed
+
     def kill(self, g: int) -> None:
         """SIGKILL group ``g``'s launch and every rank it started."""
         proc = self.procs[g][-1]

@@ -122,12 +122,7 @@ def test_survivor_trains_on_and_relaunched_group_heals_bitwise(data, tmp_path):
     groups = ReplicaGroups(tmp_path, data, "kill", devices=devices, steps=steps, sleep=0.05, gated=True,
                            extra=["--save-every", "4"])
     try:
-        groups.launch(0)
-        groups.launch(1)
-        groups.wait_until(lambda: all(groups.records(g, event="start") for g in (0, 1)), 120, "both groups started")
-        groups.go()
-        groups.wait_until(lambda: any(r["step"] >= kill_after for r in groups.records(1)), 120, "group 1's step 5")
-        groups.kill(1)
+        groups.start_and_kill(1, kill_after)
         killed_at = len(groups.records(0))
         groups.wait_until(lambda: sum(r["ft"]["ft/live_replicas"] == 1 and r["ft"]["ft/committed"] == 1
                                       for r in groups.records(0)[killed_at:]) >= 3, 60, "group 0 training alone")
@@ -238,12 +233,7 @@ def test_below_min_replicas_the_survivor_saves_and_stops(data, tmp_path):
     groups = ReplicaGroups(tmp_path, data, "min", steps=40, sleep=0.05, min_replicas=2, gated=True,
                            extra=["--save-every", "100"])
     try:
-        groups.launch(0)
-        groups.launch(1)
-        groups.wait_until(lambda: all(groups.records(g, event="start") for g in (0, 1)), 120, "both groups started")
-        groups.go()
-        groups.wait_until(lambda: any(r["step"] >= 3 for r in groups.records(1)), 120, "group 1's step 3")
-        groups.kill(1)
+        groups.start_and_kill(1, 3)
         code = groups.procs[0][-1].wait(timeout=120)
     finally:
         groups.close()
