@@ -392,6 +392,16 @@ class PreemptionCheckpoint(Callback):
                             step, where, why, self.exit_code)
             _stop_child_observer()
             raise PreemptionExit(self.exit_code, None, step)
+        writes = getattr(trainer.strategy, "_ft_writes_checkpoints", None)
+        if writes is not None and not writes():
+            # Fault tolerance: another replica group writes the run's checkpoints (this group's
+            # save would be skipped); this one heals from the live groups when it is relaunched.
+            if trainer.is_global_zero:
+                log.warning("Stopped at step %d%s (%s): this replica group does not write the run's checkpoints "
+                            "(fault tolerance); it exits with code %d and heals from the live groups when relaunched",
+                            step, where, why, self.exit_code)
+            _stop_child_observer()
+            raise PreemptionExit(self.exit_code, None, step)
         path = _join(self.dirpath, f"preempted-step={step:06d}.ckpt")
         watchdog = _Deadline(self.grace_period_s, self.exit_code, path)
         failure: BaseException | None = None

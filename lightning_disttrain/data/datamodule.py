@@ -151,10 +151,15 @@ class TokenDataModule(L.LightningDataModule):
     @property
     def data_parallel(self) -> tuple[int, int]:
         """(dp_size, dp_rank): set explicitly, else the strategy's, else (1, 0)."""
+        return self._data_parallel("distributed_sampler_kwargs")
+
+    def _data_parallel(self, attribute: str) -> tuple[int, int]:
         if self._data_parallel_override is not None:
             return self._data_parallel_override
         strategy = getattr(self.trainer, "strategy", None)
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
+        kwargs = getattr(strategy, attribute, None) if strategy is not None else None
+        if kwargs is None and attribute != "distributed_sampler_kwargs":
+            kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
         if not kwargs:
             return 1, 0
         return max(1, int(kwargs.get("num_replicas", 1))), int(kwargs.get("rank", 0))
@@ -209,10 +214,12 @@ class TokenDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         self._require_setup()
         self._check_model_vocab()
-        n_batches = self._val_batches_available()
+        # A strategy's evaluation ranks where it has them (fault tolerance: each replica group
+        # evaluates the whole set over its own ranks), else the training ones.
+        dp_size, dp_rank = self._data_parallel("evaluation_sampler_kwargs")
+        n_batches = self._val_batches_available(self.batch_size * dp_size)
         if n_batches == 0:
             return []
-        dp_size, dp_rank = self.data_parallel
         sampler = GlobalSampleSampler(
             self.val_windows, batch_size=self.batch_size, dp_size=dp_size, dp_rank=dp_rank, seed=self.seed,
             start=0, num_batches=n_batches, shuffle=False,

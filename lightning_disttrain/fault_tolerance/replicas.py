@@ -33,6 +33,8 @@ from .settings import FaultTolerance
 
 log = logging.getLogger(__name__)
 STATE_KEY = "lightning_disttrain"
+BUCKET_BYTES = 256 * 2**20
+"""Gradients averaged per collective: a bucket is a copy, so its size bounds the extra memory."""
 
 
 def require_torchft():
@@ -91,44 +93,63 @@ class ReplicaGroup:
     def average_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Average every gradient (local shard) over the live replica groups, in place. Every rank
         of every participating group must call it once per step, also with no gradients at all
-        (zeros then), or the other groups' collective waits for it until the timeout."""
+        (zeros then), or the other groups' collective waits for it until the timeout. Also with one
+        participant: a group healing in this step is not counted but takes part in the all-reduce,
+        which is how it receives the step's gradients."""
         start = time.perf_counter()
         self.participants_now = int(self.manager.num_participants())  # waits for the quorum if not known yet
         self.quorum_wait_s = time.perf_counter() - start
-        # Also with one participant: a group healing in this step is not counted but takes part in
-        # the all-reduce, which is how it receives the step's gradients.
-        buckets: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p in params:
-            if p.requires_grad:
-                local = _local(p)
-                buckets.setdefault((local.dtype, local.device), []).append(p)
-        for (dtype, device), group in buckets.items():
-            grads = [_local(p.grad) if p.grad is not None else None for p in group]
-            flat = torch.cat([g.reshape(-1) if g is not None else torch.zeros(_local(p).numel(), dtype=dtype,
-                                                                             device=device)
-                              for p, g in zip(group, grads)])
-            self.manager.allreduce(flat).wait()
-            offset = 0
-            for p, g in zip(group, grads):
-                shape = _local(p).shape
-                chunk = flat[offset:offset + shape.numel()].view(shape)
-                offset += shape.numel()
-                if g is not None:
-                    g.copy_(chunk)
-                elif bool(chunk.any()):  # another group's gradient for a parameter unused here
-                    p.grad = (DTensor.from_local(chunk.clone(), p.device_mesh, p.placements, run_check=False)
-                              if isinstance(p, DTensor) else chunk.clone())
+        for bucket in _buckets([p for p in params if p.requires_grad], BUCKET_BYTES):
+            self._average_bucket(bucket)
         self.reduce_s = time.perf_counter() - start - self.quorum_wait_s  # with the wait for the slowest group
+
+    def _average_bucket(self, group: list[torch.nn.Parameter]) -> None:
+        dtype, device = _local(group[0]).dtype, _local(group[0]).device
+        grads = [_local(p.grad) if p.grad is not None else None for p in group]
+        flat = torch.cat([g.reshape(-1) if g is not None else torch.zeros(_local(p).numel(), dtype=dtype,
+                                                                         device=device)
+                          for p, g in zip(group, grads)])
+        # The cross-group backend's device (NCCL: the GPU), also for gradients kept on the host
+        # (cpu_offload): one copy there and back.
+        wire = flat if flat.device.type == self.device.type else flat.to(self.device)
+        self.manager.allreduce(wire).wait()
+        if wire is not flat:
+            flat.copy_(wire)
+        offset = 0
+        for p, g in zip(group, grads):
+            shape = _local(p).shape
+            chunk = flat[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+            if g is not None:
+                g.copy_(chunk)
+            elif bool(chunk.any()):  # another group's gradient for a parameter unused here
+                p.grad = (DTensor.from_local(chunk.clone(), p.device_mesh, p.placements, run_check=False)
+                          if isinstance(p, DTensor) else chunk.clone())
+
+    @torch.no_grad()
+    def same_start(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """At the run's first step (every group at step 0, none healing): whether this rank's
+        parameters equal those of the same rank in every other group (their sum, and its square,
+        averaged over the groups, must have no spread). True at any other step: the groups that
+        skip it skip it together (a joining group heals instead)."""
+        if self.manager.current_step() != 0 or not self.manager.is_participating() or self.participants_now < 2:
+            return True
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            total += _local(p).detach().double().sum().to(self.device)
+        stats = torch.stack([total, total.square()])
+        self.manager.allreduce(stats).wait()  # the mean over the groups of x and of x^2: no spread iff all equal
+        mean, mean_sq = float(stats[0]), float(stats[1])
+        return abs(mean_sq - mean * mean) <= 1e-12 * max(1.0, mean * mean)
+
+    def wait_for_quorum(self) -> int:
+        """The number of groups taking part in this step's quorum, once it has formed."""
+        return int(self.manager.num_participants())
 
     def commit(self) -> bool:
         return bool(self.manager.should_commit())
 
     # -- what the step's quorum was ------------------------------------------------------------
-
-    @property
-    def participants(self) -> int:
-        """Replica groups whose gradients this step averaged (blocks until the quorum is known)."""
-        return int(self.manager.num_participants())
 
     @property
     def participating_rank(self) -> Optional[int]:
@@ -148,6 +169,24 @@ class ReplicaGroup:
         self.heals += 1
         self.last_heal_s = time.perf_counter() - start
         log.info("replica group %d healed from a live group in %.3f s", self.settings.replica_id, self.last_heal_s)
+
+
+def _buckets(params: list[torch.nn.Parameter], limit: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive parameters of one dtype and device, at most ``limit`` bytes a bucket (one larger
+    parameter is a bucket of its own)."""
+    out: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in params:
+        local = _local(p)
+        nbytes = local.numel() * local.element_size()
+        last = out[-1][0] if out else None
+        if last is None or (_local(last).dtype, _local(last).device) != (local.dtype, local.device) \
+                or size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

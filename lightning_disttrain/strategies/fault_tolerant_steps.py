@@ -31,8 +31,10 @@ DCP checkpoints, so one replica writes at a time; the others skip the save. Belo
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Optional
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -52,6 +54,7 @@ class FaultTolerantStepMixin:
     _ft_step_open: bool = False
     _ft_stop_step: Optional[int] = None
     _ft_last_participants: Optional[int] = None
+    _ft_most_seen: int = 0
     ft_metrics: Optional[dict[str, float]] = None
     """The last step's fault-tolerance metrics (also logged under ``ft/``)."""
 
@@ -65,6 +68,13 @@ class FaultTolerantStepMixin:
                              f"(lightning-disttrain ft-local tries it on one machine)")
 
     # -- the data-parallel world ------------------------------------------------------------
+
+    @property
+    def evaluation_sampler_kwargs(self) -> dict[str, int]:
+        """(num_replicas, rank) for validation and test: this group's own data-parallel ranks, so
+        that every group evaluates the whole validation set, as one job would."""
+        dims = self.parallel_dims
+        return {"num_replicas": dims.dp_size, "rank": dims.dp_rank}
 
     def _ft_data_parallel(self, dp_size: int, dp_rank: int) -> tuple[int, int]:
         """(size, rank) among the data-parallel ranks of every replica group the run may have."""
@@ -116,6 +126,7 @@ class FaultTolerantStepMixin:
                                       store_addr=env.main_address, store_port=env.main_port, device=self.root_device,
                                       state_dict=self._ft_state, load_state_dict=self._ft_heal)
         self._ft_stats = {"samples_trained": 0, "samples_skipped": 0, "uncommitted_steps": 0}
+        self._ft_capture, self._ft_stop_step, self._ft_last_participants, self._ft_most_seen = None, None, None, 0
         rank_zero_info(f"fault tolerance: replica group {ft.replica_id} of {ft.num_replica_groups} "
                        f"(lighthouse {ft.lighthouse}, min_replicas={ft.min_replicas})")
 
@@ -151,6 +162,27 @@ class FaultTolerantStepMixin:
             "stats": dict(self._ft_stats),
         }
         self._replicas.begin_step()
+        if self._ft_most_seen < self.fault_tolerance.min_replicas:
+            self._ft_wait_for_min_replicas()
+
+    def _ft_wait_for_min_replicas(self) -> None:
+        """Before min_replicas groups have met once (the run's start, groups launched at different
+        times): close each quorum this group forms alone without a step, and ask again, so that
+        its first batch, step count and data position wait for the others instead of running ahead
+        (uncommitted) of them."""
+        replicas, wanted, told = self._replicas, self.fault_tolerance.min_replicas, False
+        while True:
+            seen = replicas.wait_for_quorum()
+            self._ft_most_seen = max(self._ft_most_seen, seen)
+            if seen >= wanted:
+                return
+            if not told:
+                rank_zero_info(f"fault tolerance: waiting for {wanted} replica groups (min_replicas); {seen} in the "
+                               f"quorum")
+                told = True
+            replicas.commit()  # not committed (too few): closes this quorum
+            time.sleep(0.1)
+            replicas.begin_step()
 
     @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
@@ -163,6 +195,7 @@ class FaultTolerantStepMixin:
             result = closure()  # forward and backward (all micro-batches' gradients accumulated)
             params = list(self.lightning_module.parameters())
             replicas.average_gradients(params)
+            self._ft_check_same_start(params)
             outcome["committed"] = replicas.commit()  # a joining group heals in here (_ft_heal)
             if not outcome["committed"]:
                 for p in params:
@@ -175,6 +208,17 @@ class FaultTolerantStepMixin:
             self._ft_step_open = False
             if "committed" in outcome:
                 self._ft_after_step(outcome["committed"])
+
+    def _ft_check_same_start(self, params: list) -> None:
+        """The groups build their initial weights each from its own seed (torchft's init_sync would
+        instead drop every group's first batch but one): at the first step, refuse to train on if
+        they differ, on every rank (agreed within the group; every group sees the same spread)."""
+        differs = torch.tensor([0.0 if self._replicas.same_start(params) else 1.0])
+        comm.all_reduce(differs, "max")
+        if differs.item():
+            raise ValueError("fault tolerance: the replica groups start from different weights; give every group the "
+                             "same seed (seed_everything: N in the YAML, L.seed_everything(N) in code) and a model "
+                             "whose initialisation depends only on it")
 
     def _ft_after_step(self, committed: bool) -> None:
         replicas, ft, stats = self._replicas, self.fault_tolerance, self._ft_stats
@@ -198,12 +242,15 @@ class FaultTolerantStepMixin:
                    "ft/committed_steps": replicas.committed_steps, "ft/last_heal_ms": 1e3 * (replicas.last_heal_s or 0.0),
                    **{f"ft/{k}": v for k, v in stats.items()}}
         self.ft_metrics = metrics
-        # Straight to the loggers at the Trainer's logging cadence: twelve self.log calls per step
+        # Straight to the loggers at the Trainer's logging cadence: ten self.log calls per step
         # cost 5-6 ms of a 30 ms step (docs/benchmarks.md, section 19).
         if trainer.loggers and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:
             for logger in trainer.loggers:
                 logger.log_metrics({name: float(value) for name, value in metrics.items()}, step=trainer.global_step)
-        if participants < ft.min_replicas and self._ft_stop_step is None:
+        # Below min_replicas only after that many were seen: a group that reaches the lighthouse
+        # before the others trains (uncommitted) until they arrive instead of stopping at once.
+        self._ft_most_seen = max(self._ft_most_seen, participants)
+        if participants < ft.min_replicas <= self._ft_most_seen and self._ft_stop_step is None:
             rank_zero_info(f"fault tolerance: {participants} live replica group(s), fewer than min_replicas="
                            f"{ft.min_replicas}: the step was not applied; saving a checkpoint and stopping")
             self._ft_stop_step = trainer.global_step

@@ -36,6 +36,8 @@ class ReplicaGroups:
                                            quorum_tick_ms=100, heartbeat_timeout_ms=heartbeat_timeout_ms)
         self.address = f"http://localhost:{self.lighthouse.address().rpartition(':')[2]}"
         self.procs: dict[int, list[subprocess.Popen]] = {g: [] for g in range(groups)}
+        self.extra_for: dict[int, list[str]] = {}
+        """More arguments for one group's launches."""
         self.gate = self.out / f"{run}.gate" if gated else None
         if self.gate is not None:
             self.gate.mkdir(parents=True, exist_ok=True)
@@ -52,7 +54,8 @@ class ReplicaGroups:
         cmd = [sys.executable, str(WORKER), str(self.out), str(self.data), self.run, "--devices", str(self.devices),
                "--replica-id", str(g), "--groups", str(self.groups), "--lighthouse", self.address,
                "--min-replicas", str(self.min_replicas), "--steps", str(self.steps), "--sleep", str(self.sleep),
-               *(["--gate", str(self.gate)] if self.gate is not None else []), *self.extra]
+               *(["--gate", str(self.gate)] if self.gate is not None else []), *self.extra,
+               *self.extra_for.get(g, [])]
         log = open(self.out / f"{self.run}.g{g}.launch{n}.log", "w")
         env = _env({"RUST_LOG": "warn"})
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

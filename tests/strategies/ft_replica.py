@@ -117,13 +117,14 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--gate", default=None)
+    parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--layout", default="fsdp", choices=sorted(LAYOUTS),
                         help="inside each group (and the reference's replicas): dp_shard, tp or pp over --devices")
     return parser
 
 
 def fit(args: argparse.Namespace) -> StepLog:
-    L.seed_everything(1234, workers=True)
+    L.seed_everything(args.seed, workers=True)
     layout = LAYOUTS[args.layout]
     if args.hsdp or args.plain:
         strategy = NDParallelStrategy(dp_replicate=2, **(layout or {"dp_shard": args.devices // 2})) if args.hsdp \

@@ -249,6 +249,42 @@ def test_below_min_replicas_the_survivor_saves_and_stops(data, tmp_path):
     assert "fewer than min_replicas=2: the step was not applied; saving a checkpoint and stopping" in groups.logs()
 
 
+# -- the start: groups launched apart wait for min_replicas; different initial weights are refused --
+
+
+@pytest.mark.slow
+def test_groups_launched_apart_wait_for_min_replicas_then_start_together(data, tmp_path):
+    groups = ReplicaGroups(tmp_path, data, "apart", steps=4, min_replicas=2)
+    try:
+        groups.launch(0)
+        groups.wait_until(lambda: groups.records(0, event="start"), 120, "group 0 started")
+        __import__("time").sleep(3)  # group 0 forms quorums alone meanwhile
+        groups.launch(1)
+        codes = groups.wait_all(200)
+    finally:
+        groups.close()
+    assert codes == {0: 0, 1: 0}, groups.logs()
+    assert "fault tolerance: waiting for 2 replica groups (min_replicas); 1 in the quorum" in groups.logs()
+    for g in (0, 1):  # no step ran ahead: both trained every step together, from the first
+        assert [(r["step"], r["ft"]["ft/live_replicas"], r["ft"]["ft/committed"]) for r in groups.records(g)] == \
+            [(step, 2, 1) for step in range(1, 5)]
+    assert groups.records(0)[-1]["weights"] == groups.records(1)[-1]["weights"]
+
+
+@pytest.mark.slow
+def test_groups_with_different_initial_weights_are_refused(data, tmp_path):
+    groups = ReplicaGroups(tmp_path, data, "seeds", steps=3, lighthouse_min_replicas=2)
+    groups.extra_for = {1: ["--seed", "99"]}
+    try:
+        groups.launch(0)
+        groups.launch(1)
+        codes = groups.wait_all(200)
+    finally:
+        groups.close()
+    assert codes[0] != 0 and codes[1] != 0
+    assert groups.logs().count("the replica groups start from different weights") >= 2, groups.logs()
+
+
 # -- the shipped config through ft-local ---------------------------------------------------------------
 
 
