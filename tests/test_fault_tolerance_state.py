@@ -59,3 +59,20 @@ def test_a_shard_of_another_layout_is_refused(mesh):
         like(torch.zeros(3, 2), mine)
     plain = like(torch.ones(2), torch.zeros(2))
     assert plain.device == torch.device("cpu") and torch.equal(plain, torch.ones(2))
+
+
+def test_the_parts_of_a_hybrid_optimizer_land_on_this_ranks_mesh(mesh):
+    from lightning_disttrain.optim import HybridOptimizer
+
+    a, b = torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2, bias=False)
+    for m in (a, b):
+        m.weight = torch.nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(0)]))
+        m.weight.grad = distribute_tensor(torch.ones_like(m.weight.full_tensor()), mesh, [Shard(0)])
+    hybrid = HybridOptimizer([torch.optim.AdamW([a.weight], lr=0.1), torch.optim.SGD([b.weight], lr=0.1, momentum=0.9)])
+    hybrid.step()
+    received = pickle.loads(pickle.dumps(hybrid.state_dict()))
+    moved = optimizer_state_here(received, hybrid)
+    assert moved["optimizers"][0]["state"][0]["exp_avg"].device_mesh is a.weight.device_mesh
+    assert moved["optimizers"][1]["state"][0]["momentum_buffer"].device_mesh is b.weight.device_mesh
+    hybrid.load_state_dict(moved)
+    hybrid.step()

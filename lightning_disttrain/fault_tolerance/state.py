@@ -40,7 +40,11 @@ def model_state_here(received: dict[str, Any], module: torch.nn.Module) -> dict[
 def optimizer_state_here(received: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A received ``optimizer.state_dict()`` whose per-parameter tensors (moments: a parameter's
     shape) are on this rank's parameters; scalars (Adam's ``step``) stay as they came, where
-    ``Optimizer.load_state_dict`` puts them itself."""
+    ``Optimizer.load_state_dict`` puts them itself. Nested parts (``HybridOptimizer``) part by part."""
+    parts = getattr(optimizer, "optimizers", None)
+    if "state" not in received and isinstance(received.get("optimizers"), list) and isinstance(parts, list):
+        # An optimizer of optimizers (HybridOptimizer: Muon + AdamW) nests its parts' state dicts.
+        return dict(received, optimizers=[optimizer_state_here(r, o) for r, o in zip(received["optimizers"], parts)])
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {}
     for index, values in received.get("state", {}).items():
