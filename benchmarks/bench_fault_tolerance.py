@@ -68,14 +68,9 @@ def reference_run(work: Path, data: Path, steps: int, tag: str, devices: int) ->
 
 def ft_run(work: Path, data: Path, steps: int, tag: str, groups_n: int) -> list[dict]:
     groups = ReplicaGroups(work, data, tag, groups=groups_n, steps=steps, lighthouse_min_replicas=groups_n)
-    try:
-        for g in range(groups_n):
-            groups.launch(g)
-        codes = groups.wait_all(600)
-        assert set(codes.values()) == {0}, groups.logs()
-        return groups.records(0)
-    finally:
-        groups.close()
+    codes = groups.run_all(600)
+    assert set(codes.values()) == {0}, groups.logs()
+    return groups.records(0)
 
 
 OVERHEAD_VARIANTS = {  # name -> (fault-tolerant groups or None, processes)

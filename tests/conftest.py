@@ -172,3 +172,19 @@ def two(launched, request):
 def four(launched, request):
     """The 4-rank results of the requesting module's ``WORKER``."""
     return launched(request.module.WORKER, 4)
+
+
+# ---- a 1-rank process group in the pytest process ------------------------------------------------
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-rank gloo process group for the test (an in-memory store), destroyed after it."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "an earlier test left a process group initialised in this process"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -120,16 +120,6 @@ def test_backend_device(monkeypatch):
     assert comm.backend_device("nccl") == torch.device("cuda", 3)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    assert not dist.is_initialized(), "an earlier test left a process group initialised in this process"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_collectives_without_a_process_group_are_identities():
     t = torch.tensor([1.0, 2.0])
     assert comm.all_reduce(t, "max") is t and t.tolist() == [1.0, 2.0]

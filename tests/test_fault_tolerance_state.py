@@ -8,21 +8,15 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_disttrain.fault_tolerance.state import like, model_state_here, optimizer_state_here
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    assert not dist.is_initialized(), "an earlier test left a process group initialised in this process"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
-    finally:
-        dist.destroy_process_group()
+@pytest.fixture
+def mesh(one_rank_group):
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
 
 
 def test_received_dtensors_land_on_this_ranks_mesh(mesh):

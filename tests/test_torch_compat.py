@@ -12,7 +12,6 @@ from collections import OrderedDict
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -20,15 +19,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from lightning_disttrain import _torch_compat as compat
 
 
-@pytest.fixture(scope="module")
-def mesh():
+@pytest.fixture
+def mesh(one_rank_group):
     """A 1-rank gloo mesh with two named dimensions."""
-    assert not dist.is_initialized(), "an earlier test left a process group initialised in this process"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
 
 
 def gone(name: str):

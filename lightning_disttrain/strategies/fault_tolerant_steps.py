@@ -195,7 +195,8 @@ class FaultTolerantStepMixin:
             result = closure()  # forward and backward (all micro-batches' gradients accumulated)
             params = list(self.lightning_module.parameters())
             replicas.average_gradients(params)
-            self._ft_check_same_start(params)
+            if replicas.committed_steps == 0:  # the run's first step (the same on every rank of the group)
+                self._ft_check_same_start(params)
             outcome["committed"] = replicas.commit()  # a joining group heals in here (_ft_heal)
             if not outcome["committed"]:
                 for p in params:
@@ -242,8 +243,8 @@ class FaultTolerantStepMixin:
                    "ft/committed_steps": replicas.committed_steps, "ft/last_heal_ms": 1e3 * (replicas.last_heal_s or 0.0),
                    **{f"ft/{k}": v for k, v in stats.items()}}
         self.ft_metrics = metrics
-        # Straight to the loggers at the Trainer's logging cadence: ten self.log calls per step
-        # cost 5-6 ms of a 30 ms step (docs/benchmarks.md, section 19).
+        # Straight to the loggers at the Trainer's logging cadence, not through self.log every step
+        # (Lightning's result collection per call; the metrics are host numbers already).
         if trainer.loggers and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:
             for logger in trainer.loggers:
                 logger.log_metrics({name: float(value) for name, value in metrics.items()}, step=trainer.global_step)
@@ -301,7 +302,7 @@ class FaultTolerantStepMixin:
         callback = getattr(trainer, "checkpoint_callback", None)
         directory = getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
         path = os.path.join(str(directory), f"ft-stopped-step={trainer.global_step}.ckpt")
+        trainer.save_checkpoint(path)
         if self._ft_writes_checkpoints():
             rank_zero_info(f"fault tolerance: below min_replicas, saved {path}")
-        trainer.save_checkpoint(path)
 

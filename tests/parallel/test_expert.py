@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -47,12 +46,8 @@ def test_bad_expert_parallel_input_names_the_fix():
 
 
 @pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    finally:
-        dist.destroy_process_group()
+def ep_mesh(one_rank_group):
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
 
 
 class CountA2A(TorchDispatchMode):
@@ -72,7 +67,7 @@ def _backward_all_to_alls(layer: MoE, x: torch.Tensor) -> tuple[int, torch.Tenso
     return mode.count, out
 
 
-def test_ep_dispatch_and_what_checkpointing_recomputes(one_rank_group):
+def test_ep_dispatch_and_what_checkpointing_recomputes(ep_mesh):
     ref = _layer()
     x = torch.randn(2, 6, 16, requires_grad=True)  # as inside a network: both all-to-alls need gradients
     expected = ref(x)
@@ -82,7 +77,7 @@ def test_ep_dispatch_and_what_checkpointing_recomputes(one_rank_group):
     for policy in ("none", "selective", "full"):
         layer = copy.deepcopy(ref)
         layer.zero_grad()
-        shard_experts([layer], one_rank_group)
+        shard_experts([layer], ep_mesh)
         assert isinstance(layer.experts.w1, DTensor)
         if policy != "none":
             checkpoint_block(layer, ActivationCheckpointConfig(policy=policy))
@@ -99,14 +94,14 @@ def test_ep_dispatch_and_what_checkpointing_recomputes(one_rank_group):
     assert counts["full"] == counts["none"] + 3
 
 
-def test_expert_parallel_layer_compiles(one_rank_group):
+def test_expert_parallel_layer_compiles(ep_mesh):
     # Under ep the all-to-all split sizes are host integers: the compiled layer breaks the graph
     # there (one sync per MoE layer, as in eager) and gives the eager results.
     ref = _layer()
     x = torch.randn(2, 6, 16, requires_grad=True)
     expected = ref(x)
     layer = copy.deepcopy(ref)
-    shard_experts([layer], one_rank_group)
+    shard_experts([layer], ep_mesh)
     explained = torch._dynamo.explain(layer)(x)
     assert explained.graph_break_count >= 1
     torch._dynamo.reset()

@@ -77,6 +77,16 @@ class ReplicaGroups:
         self.kill(victim)
         return killed
 
+    def run_all(self, timeout: float) -> dict[int, int]:
+        """Launch every group, wait for each to exit (at most ``timeout`` s in all) and return the
+        exit codes; every process is gone afterwards."""
+        try:
+            for g in range(self.groups):
+                self.launch(g)
+            return self.wait_all(timeout)
+        finally:
+            self.close()
+
     def kill(self, g: int) -> None:
         """SIGKILL group ``g``'s launch and every rank it started."""
         proc = self.procs[g][-1]

@@ -198,12 +198,7 @@ def test_no_failure_equals_hsdp(data, tmp_path, four, layout):
     steps, hsdp = HSDP_STEPS, four[{"fsdp": "hsdp", "tp": "hsdp_tp", "pp": "hsdp_pp"}[layout]]
     groups = ReplicaGroups(tmp_path, data, "ft", devices=2, steps=steps, lighthouse_min_replicas=2,
                            extra=["--final-state", "--layout", layout])
-    try:
-        groups.launch(0)
-        groups.launch(1)
-        codes = groups.wait_all(300)
-    finally:
-        groups.close()
+    codes = groups.run_all(300)
     assert codes == {0: 0, 1: 0}, groups.logs()
     for g in (0, 1):
         for rank in (0, 1):
@@ -258,7 +253,8 @@ def test_groups_launched_apart_wait_for_min_replicas_then_start_together(data, t
     try:
         groups.launch(0)
         groups.wait_until(lambda: groups.records(0, event="start"), 120, "group 0 started")
-        __import__("time").sleep(3)  # group 0 forms quorums alone meanwhile
+        # Group 0 forms quorums alone meanwhile (join timeout 1 s), and while group 1 imports.
+        __import__("time").sleep(1)
         groups.launch(1)
         codes = groups.wait_all(200)
     finally:
@@ -275,12 +271,7 @@ def test_groups_launched_apart_wait_for_min_replicas_then_start_together(data, t
 def test_groups_with_different_initial_weights_are_refused(data, tmp_path):
     groups = ReplicaGroups(tmp_path, data, "seeds", steps=3, lighthouse_min_replicas=2)
     groups.extra_for = {1: ["--seed", "99"]}
-    try:
-        groups.launch(0)
-        groups.launch(1)
-        codes = groups.wait_all(200)
-    finally:
-        groups.close()
+    codes = groups.run_all(200)
     assert codes[0] != 0 and codes[1] != 0
     assert groups.logs().count("the replica groups start from different weights") >= 2, groups.logs()
 
