@@ -10,6 +10,12 @@ split, one checkpoint at the end.
 
 - plain: ``benchmarks/e2e_plain.py`` (``GPT`` from a ``GPTConfig``, its own loop, ``torch.save``;
   no Lightning is imported).
+- lightning: ``benchmarks/e2e_lightning.py``, the same recipe as a Lightning user writes it by hand
+  (a minimal ``LightningModule`` around the same ``GPT``, ``self.log`` of the loss every step, the
+  same loaders, ``L.Trainer`` with the same CSVLogger / ModelCheckpoint / validation settings and
+  Lightning's defaults; ``lightning_disttrain``'s Lightning layer not imported): what Lightning
+  itself costs, so that ``fit / lightning`` is what this package adds (``--no-lightning`` leaves
+  it out).
 - fit: ``lightning-disttrain fit --config <the YAML this writes>``: ``GPTModule`` (config tiny),
   ``TokenDataModule``, CSVLogger, a ``ModelCheckpoint`` every ``--steps`` steps (one save, at the
   end), ``e2e_phases.PhaseTimestamps`` for the timestamps, ``devices: 1``, everything else
@@ -182,20 +188,23 @@ def spawn(cmd: list[str], cwd: Path, environ: dict[str, str], log: Path, timeout
     return t0, t1, text
 
 
-def variants(strategies: list[str]) -> dict[str, str | None]:
-    """Variant name -> fit's strategy (None: the plain script)."""
-    return {"plain": None, **{("fit" if s == "fsdp2" else f"fit-{s}"): s for s in strategies}}
+def variants(strategies: list[str], lightning: bool) -> dict[str, str | None]:
+    """Variant name -> fit's strategy (None: the plain script or, ``lightning``, the hand-written
+    Lightning one)."""
+    return {"plain": None, **({"lightning": None} if lightning else {}),
+            **{("fit" if s == "fsdp2" else f"fit-{s}"): s for s in strategies}}
 
 
 def run_once(name: str, strategy: str | None, work: Path, args, data: dict, tag: str, steps: int,
              val_every: int) -> dict:
-    """One run of the plain script (``strategy`` None) or of fit in a fresh directory: its phases in seconds."""
-    side = "plain" if strategy is None else "fit"
+    """One run of the plain or the hand-written Lightning script (``strategy`` None) or of fit, in a
+    fresh directory: its phases in seconds."""
+    side = name if strategy is None else "fit"
     rundir = work / "runs" / f"{tag}-{name}"
     shutil.rmtree(rundir, ignore_errors=True)
     rundir.mkdir(parents=True)
-    if side == "plain":
-        cmd = [sys.executable, str(HERE / "e2e_plain.py"), "--train", *data["train"], "--val", *data["val"],
+    if side in ("plain", "lightning"):
+        cmd = [sys.executable, str(HERE / f"e2e_{side}.py"), "--train", *data["train"], "--val", *data["val"],
                "--out", str(rundir), "--steps", str(steps), "--batch", str(args.batch), "--seq", str(args.seq),
                "--val-every", str(val_every), "--val-batches", str(args.val_batches)]
     else:
@@ -222,6 +231,9 @@ def split_phases(side: str, spawn_t: float, exit_t: float, text: str) -> dict:
     vals, ckpts = summary["val"], summary["checkpoints"]
     if side == "fit":
         data_start, data_end, model_end = ev["prepare_data_start"], ev["dm_setup_end"], ev["fit_start"]
+        last_hook = ev["teardown"]
+    elif side == "lightning":  # its loaders are built before the Trainer: the model phase runs to fit_start
+        data_start, data_end, model_end = ev["data_start"], ev["data_end"], ev["fit_start"]
         last_hook = ev["teardown"]
     else:
         data_start, data_end, model_end = ev["data_start"], ev["data_end"], ev["model_end"]
@@ -259,6 +271,9 @@ def split_phases(side: str, spawn_t: float, exit_t: float, text: str) -> dict:
         p["model.hooks"] = ev["configure_model_start"] - data_end
         p["model.configure"] = ev["configure_model_end"] - ev["configure_model_start"]
         p["model.strategy"] = model_end - ev["configure_model_end"]
+        p["pre_step.sanity"] = ev.get("sanity_end", 0.0) - ev.get("sanity_start", 0.0)
+        p["teardown.trainer"] = ev["teardown"] - ev["train_end"]
+    elif side == "lightning":
         p["pre_step.sanity"] = ev.get("sanity_end", 0.0) - ev.get("sanity_start", 0.0)
         p["teardown.trainer"] = ev["teardown"] - ev["train_end"]
     else:
@@ -389,6 +404,8 @@ def main() -> None:
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--strategies", nargs="+", default=["fsdp2", "auto"], choices=["fsdp2", "auto"],
                    help="fit variants by trainer.strategy (devices: 1 each): fsdp2 is `fit`, auto `fit-auto`")
+    p.add_argument("--no-lightning", dest="lightning", action="store_false",
+                   help="leave out the hand-written Lightning variant (e2e_lightning.py: Lightning's own floor)")
     p.add_argument("--import-repeats", type=int, default=3, help="rounds of the import timings (0: skip them)")
     p.add_argument("--warmup-steps", type=int, default=4,
                    help="steps of the untimed warm-up round's runs (0: no warm-up round)")
@@ -404,7 +421,7 @@ def main() -> None:
     print(f"recipe: tiny GPT, bytes tokenizer on the embedded corpus, {args.steps} steps x {args.batch} x {args.seq} "
           f"tokens, validation every {args.val_every} steps on {args.val_batches} batches, one checkpoint at the end",
           flush=True)
-    kinds = variants(args.strategies)
+    kinds = variants(args.strategies, args.lightning)
 
     with part("prepare"):
         data = prepare_data(work, args)
@@ -438,22 +455,23 @@ def main() -> None:
 
         results, rounds = timed_rounds({n: variant(n, s) for n, s in kinds.items()}, args.repeats)
 
-    plain = results["plain"]
     lines = [f"per-phase medians over {args.repeats} runs of each variant; the phases add up to the total; torch "
              "threads: " + ", ".join(f"{n} {rs[0]['threads']}" for n, rs in results.items())
              + "; strategies: " + ", ".join(f"{n} {rs[0]['strategy']}" for n, rs in results.items() if n != "plain"),
              phase_table(results), "", "per run (s):", per_run_table(results), ""]
     ratios = {}
-    for name in (n for n in results if n != "plain"):
-        runs = results[name]
-        ratio = [f["total"] / pl["total"] for pl, f in zip(plain, runs)]
-        steady = [f["steady_per_step"] / pl["steady_per_step"] for pl, f in zip(plain, runs)]
-        gap = {k: med(runs, k) - med(plain, k) for k, _ in PHASES}
-        ratios[name] = {"total": ratio, "steady": steady}
-        lines += [f"{name} / plain, total, round by round (min median max): {spread(ratio)}; ratio of the medians "
-                  f"{med(runs, 'total') / med(plain, 'total'):.3f}",
-                  f"{name} / plain, steady s/step, round by round: {spread(steady)}",
-                  f"{name} - plain, gap of the medians: {med(runs, 'total') - med(plain, 'total'):+.2f} s; by phase: "
+    pairs = [(n, "plain") for n in results if n != "plain"]
+    pairs += [(n, "lightning") for n in results if "lightning" in results and n.startswith("fit")]
+    for name, base in pairs:
+        runs, ref = results[name], results[base]
+        ratio = [f["total"] / b["total"] for b, f in zip(ref, runs)]
+        steady = [f["steady_per_step"] / b["steady_per_step"] for b, f in zip(ref, runs)]
+        gap = {k: med(runs, k) - med(ref, k) for k, _ in PHASES}
+        ratios[f"{name}/{base}"] = {"total": ratio, "steady": steady}
+        lines += [f"{name} / {base}, total, round by round (min median max): {spread(ratio)}; ratio of the medians "
+                  f"{med(runs, 'total') / med(ref, 'total'):.3f}",
+                  f"{name} / {base}, steady s/step, round by round: {spread(steady)}",
+                  f"{name} - {base}, gap of the medians: {med(runs, 'total') - med(ref, 'total'):+.2f} s; by phase: "
                   + ", ".join(f"{k} {v:+.2f}" for k, v in sorted(gap.items(), key=lambda kv: -abs(kv[1])))]
     lines += ["validation losses (every validation of run 0): " + " | ".join(
                   f"{n} " + " ".join(f"{x:.4f}" for x in rs[0]["val_losses"]) for n, rs in results.items()),

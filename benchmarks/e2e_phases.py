@@ -8,11 +8,12 @@ step's start and end in memory, and at ``teardown`` prints them with the validat
 the checkpoint saves and the final losses as one ``@@e2e-json {...}`` line.
 
 Importing this module also wraps, for timestamps only (each wrapper calls the original with the
-same arguments and returns its result), the methods no callback hook brackets:
-``TokenDataModule.prepare_data`` / ``.setup`` (data preparation), ``GPTModule.configure_model``
-(the model build inside the strategy's setup), ``Trainer.fit`` (its entry, after the CLI has
-parsed the YAML and built the Trainer) and ``Trainer.save_checkpoint`` (a checkpoint save, from
-the callbacks' state to the file on disk). An ``atexit`` handler marks the start of interpreter
+same arguments and returns its result), the methods no callback hook brackets: when
+``lightning_disttrain`` is loaded (under ``fit``; ``e2e_lightning.py`` does not load its Lightning
+layer) ``TokenDataModule.prepare_data`` / ``.setup`` (data preparation) and
+``GPTModule.configure_model`` (the model build inside the strategy's setup); always
+``Trainer.fit`` (its entry, after the CLI has parsed the YAML and built the Trainer) and
+``Trainer.save_checkpoint`` (a checkpoint save, from the callbacks' state to the file on disk). An ``atexit`` handler marks the start of interpreter
 shutdown. Nothing in the package is changed.
 """
 
@@ -26,8 +27,6 @@ import time
 
 import lightning as L
 import torch
-
-import lightning_disttrain as ldt
 
 EVENT = "@@e2e"
 SUMMARY = "@@e2e-json"
@@ -66,9 +65,11 @@ def _bracket(cls, name: str, label: str, first_only: bool = False, record=None) 
     setattr(cls, name, wrapper)
 
 
-_bracket(ldt.TokenDataModule, "prepare_data", "prepare_data", first_only=True)
-_bracket(ldt.TokenDataModule, "setup", "dm_setup", first_only=True)
-_bracket(ldt.GPTModule, "configure_model", "configure_model", first_only=True)
+ldt = sys.modules.get("lightning_disttrain")
+if getattr(ldt, "GPTModule", None) is not None:  # under `fit` (the CLI imported the package); not e2e_lightning.py's
+    _bracket(ldt.TokenDataModule, "prepare_data", "prepare_data", first_only=True)
+    _bracket(ldt.TokenDataModule, "setup", "dm_setup", first_only=True)
+    _bracket(ldt.GPTModule, "configure_model", "configure_model", first_only=True)
 _bracket(L.Trainer, "fit", "trainer_fit", first_only=True)
 _bracket(L.Trainer, "save_checkpoint", "save_checkpoint", record=_checkpoints)
 mark("phases_imported")

@@ -16,7 +16,7 @@ intervals, the checkpoint save and the losses.
 
 ``lightning_disttrain/__init__.py`` imports Lightning (its callbacks, strategies and module). A
 plain script has no use for it, so the two packages on the way to the model and the sampler are
-entered without running their ``__init__`` (``_bare_package``): only ``models/gpt.py`` and
+entered without running their ``__init__`` (``e2e_recipe.bare_imports``): only ``models/gpt.py`` and
 ``data/sampling.py`` and what they import (torch, numpy, the package's plain-torch helpers) load.
 """
 
@@ -38,30 +38,14 @@ mark("main", T_MAIN)
 
 import argparse  # noqa: E402
 import atexit  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
 
+from e2e_recipe import add_recipe_arguments, bare_imports, loaders, lr_lambda  # noqa: E402
 
-def _bare_package(name: str) -> None:
-    """Put package ``name`` in ``sys.modules`` without running its ``__init__``, so that its
-    submodules import on their own."""
-    if name in sys.modules:
-        return
-    spec = importlib.util.find_spec(name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-
-
-_bare_package("lightning_disttrain")
-_bare_package("lightning_disttrain.data")
-from lightning_disttrain.data.sampling import GlobalSampleSampler, TokenWindows  # noqa: E402
-from lightning_disttrain.models.gpt import GPT, GPTConfig  # noqa: E402
+GPT, GPTConfig, _, _ = bare_imports()
 
 mark("imports")
 atexit.register(lambda: mark("atexit"))
@@ -69,43 +53,14 @@ if "--imports-only" in sys.argv:  # bench_end_to_end.py times the imports alone
     sys.exit(0)
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float = 0.1):
-    def f(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--train", nargs="+", required=True, help="training shards (.bin)")
-    p.add_argument("--val", nargs="+", required=True, help="validation shards (.bin)")
-    p.add_argument("--out", type=Path, required=True, help="directory for the CSV log and the checkpoint")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--val-every", type=int, default=100)
-    p.add_argument("--val-batches", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--vocab", type=int, default=257, help="the byte tokenizer's 256 bytes + end of text")
-    p.add_argument("--seed", type=int, default=1337)
+    add_recipe_arguments(p)
     args = p.parse_args()
 
     # -- data: the shards' windows in TokenDataModule's order (one process: dp 1, rank 0)
     mark("data_start")
-    train = TokenWindows(args.train, args.seq)
-    val = TokenWindows(args.val, args.seq)
-    train_loader = DataLoader(train, batch_size=args.batch, drop_last=True, sampler=GlobalSampleSampler(
-        train, batch_size=args.batch, dp_size=1, dp_rank=0, seed=args.seed, start=0,
-        num_batches=len(train) // args.batch))
-    n_val = min(args.val_batches, len(val) // args.batch)
-    val_loader = DataLoader(val, batch_size=args.batch, drop_last=True, sampler=GlobalSampleSampler(
-        val, batch_size=args.batch, dp_size=1, dp_rank=0, seed=args.seed, start=0, num_batches=n_val,
-        shuffle=False))
+    train_loader, val_loader = loaders(args)
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / "metrics.csv", "w")  # noqa: SIM115 (closed at the end)
     log.write("step,train_loss,lr\n")

@@ -133,6 +133,7 @@ class GPTModule(L.LightningModule):
         self._tokenizer = None
         self._last_step_time: float | None = None
         self._tok_per_s: float | None = None
+        self._log_now = True  # whether this step's loggers-only values are logged (_loggers_read_this_step)
 
     # ---- model construction -------------------------------------------------------------
 
@@ -244,10 +245,13 @@ class GPTModule(L.LightningModule):
         aux = self.model.moe_aux_loss
         if aux is None:
             return 0.0
-        self.log("train/moe_aux_loss", aux.detach(), on_step=True, on_epoch=False)
+        if self._log_now:
+            self.log("train/moe_aux_loss", aux.detach(), on_step=True, on_epoch=False)
         return aux
 
     def _log_moe_layers(self) -> None:
+        if not self._log_now:
+            return
         for i, layer in moe_layers(self.model).items():
             for name in ("balance_loss", "z_loss", "dropped_tokens"):
                 if getattr(layer, name) is not None:
@@ -265,6 +269,8 @@ class GPTModule(L.LightningModule):
         # that every replica keeps the same bias.
         layers = moe_layers(self.model)
         update_moe_biases(layers.values(), group=getattr(self.trainer.strategy, "dp_process_group", None))
+        if not self._log_now:
+            return
         for i, layer in layers.items():
             metrics = layer.metrics()
             self.log(f"moe/layer{i}/max_load_ratio", metrics["max_load_ratio"], on_step=True, on_epoch=False)
@@ -293,7 +299,8 @@ class GPTModule(L.LightningModule):
         self._log_moe_layers()
         if aux_loss is None or not (self.config.moe_aux_loss_coef > 0 or self.config.moe_z_loss_coef > 0):
             return loss
-        self.log("train/moe_aux_loss", aux_loss.detach(), on_step=True, on_epoch=False)
+        if self._log_now:
+            self.log("train/moe_aux_loss", aux_loss.detach(), on_step=True, on_epoch=False)
         return loss + aux_loss
 
     def pipeline_validation_step(self, batch, batch_idx: int, loss: torch.Tensor) -> None:
@@ -306,9 +313,24 @@ class GPTModule(L.LightningModule):
         # x is this rank's shard of the batch: context parallel ranks hold 1/cp of each sequence
         cp = int(getattr(self.trainer.strategy, "context_parallel_size", 1))
         self.tokens_seen += x.numel() * self._data_parallel_size() * cp
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)
-        self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
+        self._log_now = self._loggers_read_this_step()
+        # The mean over the ranks (one all-reduce a step); a one-process run has nothing to average.
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=self.trainer.world_size > 1)
+        if self._log_now:
+            self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
         return loss
+
+    def _loggers_read_this_step(self) -> bool:
+        """Whether Lightning hands this optimizer step's metrics to the loggers: every
+        ``log_every_n_steps`` steps and a step that stops the run (as its logger connector decides,
+        from the steps done before this one). The values only loggers read (tokens, learning rates,
+        tok/s, the MoE layers' numbers) are logged at those steps alone: each ``self.log`` call costs
+        Lightning's result collection about 0.4 ms of host time (docs/benchmarks.md, section 18).
+        Decided once per step, in ``training_step``; the loss is logged every step (progress bar)."""
+        trainer = self.trainer
+        every = trainer.log_every_n_steps
+        return bool(trainer.fast_dev_run) or (every > 0 and ((trainer.global_step + 1) % every == 0
+                                                             or trainer.should_stop))
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         # Tokens/s over the last batch for the progress bar; MFUMonitor does the careful version.
@@ -316,13 +338,16 @@ class GPTModule(L.LightningModule):
         if self._last_step_time is not None:
             rate = batch[0].numel() * self._data_parallel_size() / max(now - self._last_step_time, 1e-9)
             self._tok_per_s = rate if self._tok_per_s is None else 0.8 * self._tok_per_s + 0.2 * rate
-            self.log("tok/s", self._tok_per_s, prog_bar=True, on_step=True, on_epoch=False, logger=False)
+            if self._log_now:
+                self.log("tok/s", self._tok_per_s, prog_bar=True, on_step=True, on_epoch=False, logger=False)
         self._last_step_time = now
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        if not self._log_now:
+            return
         optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap LightningOptimizer
         parts = getattr(optimizer, "optimizers", [optimizer])  # HybridOptimizer: Muon first, AdamW last
         self.log("train/lr", parts[-1].param_groups[0]["lr"], on_step=True, on_epoch=False)

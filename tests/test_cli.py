@@ -109,3 +109,27 @@ def test_cli_help_lists_tools(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["prepare", "--help"])
     assert exit_.value.code == 0 and "usage" in capsys.readouterr().out.lower()
+
+
+def test_only_the_named_lightning_subcommand_gets_a_parser(capsys, monkeypatch):
+    """LightningCLI builds a whole parser (every Trainer argument, every class signature) per
+    subcommand it offers: ``lightning-disttrain fit`` builds fit's alone; the top-level help and an
+    unknown name still see all four."""
+    from lightning_disttrain.cli import DistTrainCLI, main
+
+    with pytest.raises(SystemExit) as exit_:
+        DistTrainCLI(args=["fit", "--help"], subcommand="fit")
+    assert exit_.value.code == 0 and "--trainer.max_steps" in capsys.readouterr().out
+    built = []
+    original = DistTrainCLI._prepare_subcommand_parser
+
+    def spy(self, klass, subcommand, **kwargs):
+        built.append(subcommand)
+        return original(self, klass, subcommand, **kwargs)
+
+    monkeypatch.setattr(DistTrainCLI, "_prepare_subcommand_parser", spy)  # LightningCLI's, per subcommand
+    for argv in (["validate", "--help"], ["--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    assert built == ["validate", "fit", "validate", "test", "predict"]
+    assert "{fit,validate,test,predict}" in capsys.readouterr().out

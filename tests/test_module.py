@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -62,6 +63,50 @@ def test_training_decreases_loss_and_logs(tmp_path, optimizer, steps):
         assert m["train/lr_muon"].item() == pytest.approx(0.02 / 3e-3 * m["train/lr"].item(), rel=1e-4)
     progress = (steps - 4) / (steps - 3)  # the last step logged, after 3 warm-up steps
     assert m["train/lr"].item() == pytest.approx(3e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))), rel=1e-4)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_loggers_only_values_are_logged_at_the_logging_cadence(tmp_path, moe):
+    """The loss every step (progress bar); tokens, learning rate, tok/s and the MoE numbers only at
+    the steps whose metrics Lightning hands to the loggers, where the CSV rows are exactly as
+    before: each self.log call costs Lightning's result collection host time every step."""
+    import csv
+
+    train, _ = _loaders()
+    module = GPTModule("tiny-moe" if moe else "tiny", vocab_size=257, lr=1e-3,
+                       model_overrides={"moe_aux_loss_coef": 0.01} if moe else None)
+    trainer = _trainer(tmp_path, max_steps=8, log_every_n_steps=3, limit_val_batches=0)
+    calls: dict[int, set[str]] = {}  # batch -> the names logged from its start to the next one's
+    log = GPTModule.log
+
+    class Batch(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            calls[batch_idx] = set()
+
+    def spy(self, name, *args, **kwargs):
+        calls[max(calls)].add(name)
+        return log(self, name, *args, **kwargs)
+
+    module.log = spy.__get__(module)
+    trainer.callbacks.append(Batch())
+    trainer.fit(module, train)
+    logged_steps = [2, 5]  # (step + 1) % 3 == 0 among steps 0..7
+    extra = {"train/tokens", "train/lr", "tok/s"} | ({"train/moe_aux_loss", "moe/layer1/max_load_ratio"}
+                                                     if moe else set())
+    assert sorted(calls) == list(range(8))
+    for step, names in calls.items():
+        assert "train/loss" in names
+        if step in logged_steps:
+            assert extra <= names, (step, names)
+        else:
+            assert not extra & names, (step, names)
+    with open(next(Path(tmp_path).rglob("metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/tokens")]
+    assert [int(r["step"]) for r in rows] == logged_steps
+    assert [float(r["train/tokens"]) for r in rows] == [3 * 8 * 32.0, 6 * 8 * 32.0]
+    assert all(r["train/lr"] and r["train/loss"] for r in rows)
+    if moe:
+        assert all(r["moe/layer1/max_load_ratio"] and r["train/moe_aux_loss"] for r in rows)
 
 
 def test_gradient_clipping_through_trainer(tmp_path):
