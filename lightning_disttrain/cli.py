@@ -169,6 +169,9 @@ class DistTrainCLI(LightningCLI):
     def __init__(self, *args, run_errors: RunErrors | None = None, subcommand: str | None = None, **kwargs):
         self._failures: list[_ConstructorFailure] = []
         self._run_errors = run_errors
+        given = kwargs.get("args")
+        if subcommand is None and isinstance(given, (list, tuple)) and given and isinstance(given[0], str):
+            subcommand = given[0]  # DistTrainCLI(args=["fit", ...]) from Python
         self._only_subcommand = subcommand
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)

@@ -118,7 +118,7 @@ def test_only_the_named_lightning_subcommand_gets_a_parser(capsys, monkeypatch):
     from lightning_disttrain.cli import DistTrainCLI, main
 
     with pytest.raises(SystemExit) as exit_:
-        DistTrainCLI(args=["fit", "--help"], subcommand="fit")
+        DistTrainCLI(args=["fit", "--help"])  # the subcommand read from args
     assert exit_.value.code == 0 and "--trainer.max_steps" in capsys.readouterr().out
     built = []
     original = DistTrainCLI._prepare_subcommand_parser
@@ -131,5 +131,7 @@ def test_only_the_named_lightning_subcommand_gets_a_parser(capsys, monkeypatch):
     for argv in (["validate", "--help"], ["--help"]):
         with pytest.raises(SystemExit):
             main(argv)
-    assert built == ["validate", "fit", "validate", "test", "predict"]
+    with pytest.raises(SystemExit):
+        DistTrainCLI(args=["test", "--help"])
+    assert built == ["validate", "fit", "validate", "test", "predict", "test"]
     assert "{fit,validate,test,predict}" in capsys.readouterr().out
