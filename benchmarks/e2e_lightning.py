@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from e2e_phases import PhaseTimestamps, mark  # noqa: E402
-from e2e_recipe import add_recipe_arguments, bare_imports, loaders, lr_lambda  # noqa: E402
+from e2e_recipe import add_recipe_arguments, bare_imports, loaders, optimizer_and_schedule  # noqa: E402
 
 GPT, GPTConfig, _, _ = bare_imports()
 mark("imports")
@@ -57,11 +57,7 @@ class Recipe(L.LightningModule):
         self.log("val/loss", self.loss_of(*batch))
 
     def configure_optimizers(self):
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.warmup, self.steps))
+        opt, sched = optimizer_and_schedule(self.parameters(), self.lr, self.weight_decay, self.warmup, self.steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

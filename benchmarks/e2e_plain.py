@@ -43,7 +43,7 @@ import json  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from e2e_recipe import add_recipe_arguments, bare_imports, loaders, lr_lambda  # noqa: E402
+from e2e_recipe import add_recipe_arguments, bare_imports, loaders, optimizer_and_schedule  # noqa: E402
 
 GPT, GPTConfig, _, _ = bare_imports()
 
@@ -70,11 +70,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     config = GPTConfig.from_name("tiny", vocab_size=args.vocab)
     model = GPT(config).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))
+    opt, sched = optimizer_and_schedule(model.parameters(), args.lr, args.weight_decay, args.warmup, args.steps)
     mark("model_end")
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
