@@ -173,6 +173,12 @@ class DistTrainCLI(LightningCLI):
         if subcommand is None and isinstance(given, (list, tuple)) and given and isinstance(given[0], str):
             subcommand = given[0]  # DistTrainCLI(args=["fit", ...]) from Python
         self._only_subcommand = subcommand
+        every = LightningCLI.subcommands()
+        if subcommand in every and isinstance(kwargs.get("parser_kwargs"), dict):
+            # LightningCLI sorts parser_kwargs by subcommands(): the other subcommands' entries
+            # would reach the main parser as unknown arguments.
+            kwargs["parser_kwargs"] = {k: v for k, v in kwargs["parser_kwargs"].items()
+                                       if k not in every or k == subcommand}
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})

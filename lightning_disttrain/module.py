@@ -133,7 +133,10 @@ class GPTModule(L.LightningModule):
         self._tokenizer = None
         self._last_step_time: float | None = None
         self._tok_per_s: float | None = None
-        self._log_now = True  # whether this step's loggers-only values are logged (_loggers_read_this_step)
+        # This step's values that only the loggers read, logged at their cadence (_log_step_values).
+        self._step_lrs: dict[str, float] = {}
+        self._aux_to_log: torch.Tensor | None = None
+        self._steps_before_batch: int | None = None
 
     # ---- model construction -------------------------------------------------------------
 
@@ -240,22 +243,23 @@ class GPTModule(L.LightningModule):
 
     def _moe_aux_loss(self) -> torch.Tensor | float:
         """The MoE blocks' weighted auxiliary losses of the last forward (0 when all are off);
-        logs each layer's unweighted losses and, with a capacity, its dropped assignments."""
-        self._log_moe_layers()
+        kept for the loggers (``_log_step_values``)."""
         aux = self.model.moe_aux_loss
-        if aux is None:
-            return 0.0
-        if self._log_now:
-            self.log("train/moe_aux_loss", aux.detach(), on_step=True, on_epoch=False)
-        return aux
+        self._aux_to_log = None if aux is None else aux.detach()
+        return 0.0 if aux is None else aux
 
     def _log_moe_layers(self) -> None:
-        if not self._log_now:
-            return
+        """Each MoE layer's unweighted losses and, with a capacity, dropped assignments of the
+        last forward; its load ratio and bias norm after the step; the auxiliary loss."""
         for i, layer in moe_layers(self.model).items():
             for name in ("balance_loss", "z_loss", "dropped_tokens"):
                 if getattr(layer, name) is not None:
                     self.log(f"moe/layer{i}/{name}", getattr(layer, name).float(), on_step=True, on_epoch=False)
+            metrics = layer.metrics()
+            self.log(f"moe/layer{i}/max_load_ratio", metrics["max_load_ratio"], on_step=True, on_epoch=False)
+            self.log(f"moe/layer{i}/bias_norm", metrics["bias_norm"], on_step=True, on_epoch=False)
+        if self._aux_to_log is not None:
+            self.log("train/moe_aux_loss", self._aux_to_log, on_step=True, on_epoch=False)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
@@ -269,12 +273,6 @@ class GPTModule(L.LightningModule):
         # that every replica keeps the same bias.
         layers = moe_layers(self.model)
         update_moe_biases(layers.values(), group=getattr(self.trainer.strategy, "dp_process_group", None))
-        if not self._log_now:
-            return
-        for i, layer in layers.items():
-            metrics = layer.metrics()
-            self.log(f"moe/layer{i}/max_load_ratio", metrics["max_load_ratio"], on_step=True, on_epoch=False)
-            self.log(f"moe/layer{i}/bias_norm", metrics["bias_norm"], on_step=True, on_epoch=False)
 
     # Pipeline parallel (strategies/pipeline_steps.py): the strategy runs the schedule, the last
     # stage computes pipeline_loss per micro-batch, and these log what the steps above log.
@@ -294,13 +292,12 @@ class GPTModule(L.LightningModule):
         ``training_step`` does. The per-layer MoE numbers are this rank's layers' (of the step's
         last micro-batch): each rank logs the stages it holds."""
         loss = self._log_train(loss, batch[0])
+        self._aux_to_log = None
         if not self.config.moe_num_experts:
             return loss
-        self._log_moe_layers()
         if aux_loss is None or not (self.config.moe_aux_loss_coef > 0 or self.config.moe_z_loss_coef > 0):
             return loss
-        if self._log_now:
-            self.log("train/moe_aux_loss", aux_loss.detach(), on_step=True, on_epoch=False)
+        self._aux_to_log = aux_loss.detach()
         return loss + aux_loss
 
     def pipeline_validation_step(self, batch, batch_idx: int, loss: torch.Tensor) -> None:
@@ -313,24 +310,12 @@ class GPTModule(L.LightningModule):
         # x is this rank's shard of the batch: context parallel ranks hold 1/cp of each sequence
         cp = int(getattr(self.trainer.strategy, "context_parallel_size", 1))
         self.tokens_seen += x.numel() * self._data_parallel_size() * cp
-        self._log_now = self._loggers_read_this_step()
         # The mean over the ranks (one all-reduce a step); a one-process run has nothing to average.
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=self.trainer.world_size > 1)
-        if self._log_now:
-            self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
         return loss
 
-    def _loggers_read_this_step(self) -> bool:
-        """Whether Lightning hands this optimizer step's metrics to the loggers: every
-        ``log_every_n_steps`` steps and a step that stops the run (as its logger connector decides,
-        from the steps done before this one). The values only loggers read (tokens, learning rates,
-        tok/s, the MoE layers' numbers) are logged at those steps alone: each ``self.log`` call costs
-        Lightning's result collection about 0.4 ms of host time (docs/benchmarks.md, section 18).
-        Decided once per step, in ``training_step``; the loss is logged every step (progress bar)."""
-        trainer = self.trainer
-        every = trainer.log_every_n_steps
-        return bool(trainer.fast_dev_run) or (every > 0 and ((trainer.global_step + 1) % every == 0
-                                                             or trainer.should_stop))
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._steps_before_batch = self.trainer.global_step
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         # Tokens/s over the last batch for the progress bar; MFUMonitor does the careful version.
@@ -338,21 +323,45 @@ class GPTModule(L.LightningModule):
         if self._last_step_time is not None:
             rate = batch[0].numel() * self._data_parallel_size() / max(now - self._last_step_time, 1e-9)
             self._tok_per_s = rate if self._tok_per_s is None else 0.8 * self._tok_per_s + 0.2 * rate
-            if self._log_now:
-                self.log("tok/s", self._tok_per_s, prog_bar=True, on_step=True, on_epoch=False, logger=False)
         self._last_step_time = now
+        if self._loggers_read_this_step():
+            self._log_step_values()
+
+    def _loggers_read_this_step(self) -> bool:
+        """Whether Lightning hands this batch's metrics to the loggers once its hooks are done
+        (``update_train_step_metrics``, right after this one, the LightningModule's, which runs
+        after the callbacks'): when the optimizer stepped in it, every ``log_every_n_steps`` steps,
+        and at a step that stops the run (``should_stop``, whoever set it during the step)."""
+        trainer = self.trainer
+        if self._steps_before_batch is None or trainer.global_step == self._steps_before_batch:
+            return False  # a micro-batch of gradient accumulation: nothing goes to the loggers yet
+        every = trainer.log_every_n_steps
+        # global_step counts this step now; Lightning's count (steps before it + 1) is the same
+        # number, also after a fault-tolerant heal moved both during the step.
+        return bool(trainer.fast_dev_run) or (every > 0 and (trainer.global_step % every == 0 or trainer.should_stop))
+
+    def _log_step_values(self) -> None:
+        """The values only the loggers (and ``tok/s`` in the progress bar) read, at the steps they
+        read them: each ``self.log`` call costs Lightning's result collection host time every step
+        it is made, whatever the logging cadence (docs/benchmarks.md, section 18). The loss is
+        logged every step, in ``training_step``."""
+        self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
+        for name, lr in self._step_lrs.items():  # the rates this step used (the schedulers have moved on)
+            self.log(name, lr, on_step=True, on_epoch=False)
+        if self._tok_per_s is not None:
+            self.log("tok/s", self._tok_per_s, prog_bar=True, on_step=True, on_epoch=False, logger=False)
+        if self.config.moe_num_experts:
+            self._log_moe_layers()
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        if not self._log_now:
-            return
         optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap LightningOptimizer
         parts = getattr(optimizer, "optimizers", [optimizer])  # HybridOptimizer: Muon first, AdamW last
-        self.log("train/lr", parts[-1].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        self._step_lrs = {"train/lr": parts[-1].param_groups[0]["lr"]}
         if len(parts) > 1:
-            self.log("train/lr_muon", parts[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+            self._step_lrs["train/lr_muon"] = parts[0].param_groups[0]["lr"]
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val", self.val_loss, self.val_ppl)

@@ -131,7 +131,7 @@ def test_only_the_named_lightning_subcommand_gets_a_parser(capsys, monkeypatch):
     for argv in (["validate", "--help"], ["--help"]):
         with pytest.raises(SystemExit):
             main(argv)
-    with pytest.raises(SystemExit):
-        DistTrainCLI(args=["test", "--help"])
+    with pytest.raises(SystemExit):  # parser_kwargs of other subcommands, as LightningCLI allows
+        DistTrainCLI(args=["test", "--help"], parser_kwargs={"fit": {"description": "f"}, "test": {}})
     assert built == ["validate", "fit", "validate", "test", "predict", "test"]
     assert "{fit,validate,test,predict}" in capsys.readouterr().out

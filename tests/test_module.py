@@ -109,6 +109,37 @@ def test_loggers_only_values_are_logged_at_the_logging_cadence(tmp_path, moe):
         assert all(r["moe/layer1/max_load_ratio"] and r["train/moe_aux_loss"] for r in rows)
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_stop_requested_during_a_step_gets_that_steps_values_in_its_row(tmp_path, accumulate):
+    """Lightning also hands a stopping step's metrics to the loggers, whoever set should_stop
+    during the step (a callback's on_train_batch_end here, as CheckpointEval's gate does): that
+    row has this step's tokens and learning rate, not the last logging step's."""
+    import csv
+
+    train, _ = _loaders()
+    module = GPTModule("tiny", vocab_size=257, lr=1e-3, warmup_steps=3)
+    trainer = _trainer(tmp_path, max_steps=20, log_every_n_steps=3, limit_val_batches=0,
+                       accumulate_grad_batches=accumulate)
+    lrs = []
+
+    class StopAtStep4(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            lrs.append(optimizer.param_groups[0]["lr"])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 4:
+                trainer.should_stop = True
+
+    trainer.callbacks.append(StopAtStep4())
+    trainer.fit(module, train)
+    assert trainer.global_step == 4
+    with open(next(Path(tmp_path).rglob("metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/tokens")]
+    assert [int(r["step"]) for r in rows] == [2, 3]
+    assert [float(r["train/tokens"]) for r in rows] == [3 * accumulate * 8 * 32.0, 4 * accumulate * 8 * 32.0]
+    assert [float(r["train/lr"]) for r in rows] == pytest.approx([lrs[2], lrs[3]])
+
+
 def test_gradient_clipping_through_trainer(tmp_path):
     train, _ = _loaders()
     module = GPTModule("tiny", vocab_size=257, lr=1e-3)

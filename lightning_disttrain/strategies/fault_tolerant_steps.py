@@ -127,6 +127,7 @@ class FaultTolerantStepMixin:
                                       state_dict=self._ft_state, load_state_dict=self._ft_heal)
         self._ft_stats = {"samples_trained": 0, "samples_skipped": 0, "uncommitted_steps": 0}
         self._ft_capture, self._ft_stop_step, self._ft_last_participants, self._ft_most_seen = None, None, None, 0
+        self._ft_committed_once = False  # this process saw a committed step (agreed group-wide by should_commit)
         rank_zero_info(f"fault tolerance: replica group {ft.replica_id} of {ft.num_replica_groups} "
                        f"(lighthouse {ft.lighthouse}, min_replicas={ft.min_replicas})")
 
@@ -195,9 +196,14 @@ class FaultTolerantStepMixin:
             result = closure()  # forward and backward (all micro-batches' gradients accumulated)
             params = list(self.lightning_module.parameters())
             replicas.average_gradients(params)
-            if replicas.committed_steps == 0:  # the run's first step (the same on every rank of the group)
+            # Until this group's first committed step: a flag of this process, the same on every rank
+            # of the group (should_commit agrees group-wide), unlike torchft's step count, which a heal
+            # that failed on one rank would leave behind there (that rank alone would then enter the
+            # group all-reduce below).
+            if not self._ft_committed_once:
                 self._ft_check_same_start(params)
             outcome["committed"] = replicas.commit()  # a joining group heals in here (_ft_heal)
+            self._ft_committed_once = self._ft_committed_once or outcome["committed"]
             if not outcome["committed"]:
                 for p in params:
                     p.grad = None  # the optimizer skips them: no update from an uncommitted step
