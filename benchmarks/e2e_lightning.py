@@ -23,14 +23,13 @@ import time
 T_MAIN = time.monotonic()
 sys.stderr.write(f"@@e2e main {T_MAIN:.6f}\n")
 
-import argparse  # noqa: E402
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from e2e_phases import PhaseTimestamps, mark  # noqa: E402
-from e2e_recipe import add_recipe_arguments, bare_imports, loaders, optimizer_and_schedule  # noqa: E402
+from e2e_recipe import bare_imports, loaders, optimizer_and_schedule, recipe_args  # noqa: E402
 
 GPT, GPTConfig, _, _ = bare_imports()
 mark("imports")
@@ -62,9 +61,7 @@ class Recipe(L.LightningModule):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_recipe_arguments(p)
-    args = p.parse_args()
+    args = recipe_args(__doc__)
 
     mark("data_start")
     train_loader, val_loader = loaders(args)

@@ -36,14 +36,13 @@ def mark(name: str, t: float | None = None) -> float:
 
 mark("main", T_MAIN)
 
-import argparse  # noqa: E402
 import atexit  # noqa: E402
 import json  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from e2e_recipe import add_recipe_arguments, bare_imports, loaders, optimizer_and_schedule  # noqa: E402
+from e2e_recipe import bare_imports, loaders, optimizer_and_schedule, recipe_args  # noqa: E402
 
 GPT, GPTConfig, _, _ = bare_imports()
 
@@ -54,9 +53,7 @@ if "--imports-only" in sys.argv:  # bench_end_to_end.py times the imports alone
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_recipe_arguments(p)
-    args = p.parse_args()
+    args = recipe_args(__doc__)
 
     # -- data: the shards' windows in TokenDataModule's order (one process: dp 1, rank 0)
     mark("data_start")

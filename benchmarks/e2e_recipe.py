@@ -69,10 +69,13 @@ def loaders(args):
     return train_loader, val_loader
 
 
-def add_recipe_arguments(p) -> None:
-    """The command line both scripts take from ``bench_end_to_end.py``."""
+def recipe_args(doc: str):
+    """The command line both scripts take from ``bench_end_to_end.py``, parsed; ``doc``'s first
+    paragraph describes the script."""
+    import argparse
     from pathlib import Path
 
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--train", nargs="+", required=True, help="training shards (.bin)")
     p.add_argument("--val", nargs="+", required=True, help="validation shards (.bin)")
     p.add_argument("--out", type=Path, required=True, help="the run's directory (log, checkpoint)")
@@ -86,3 +89,4 @@ def add_recipe_arguments(p) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--vocab", type=int, default=257, help="the byte tokenizer's 256 bytes + end of text")
     p.add_argument("--seed", type=int, default=1337)
+    return p.parse_args()

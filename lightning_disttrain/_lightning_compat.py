@@ -212,6 +212,20 @@ def last_checkpoint_saved(callback: Any) -> str:
     return _require(callback, "_last_checkpoint_saved", "the newest save of a ModelCheckpoint")
 
 
+# -- the loggers' cadence ----------------------------------------------------------------------
+
+
+def loggers_write_step(trainer: Any, steps_done: int) -> bool:
+    """Whether Lightning hands the training metrics of the optimizer step that brings the step
+    count to ``steps_done`` to the loggers, as ``_LoggerConnector.update_train_step_metrics``
+    decides after the step's hooks (from its ``_batches_that_stepped + 1``, which is
+    ``steps_done``): every ``log_every_n_steps`` steps (never with 0), a step after which the run
+    stops, and every step under ``fast_dev_run``. Call it at the end of the step (``should_stop``
+    can still be set during it)."""
+    every = trainer.log_every_n_steps
+    return bool(trainer.fast_dev_run) or (every > 0 and (steps_done % every == 0 or bool(trainer.should_stop)))
+
+
 # -- the fit loop's position (fault tolerance) ---------------------------------------------------
 
 

@@ -335,10 +335,9 @@ class GPTModule(L.LightningModule):
         trainer = self.trainer
         if self._steps_before_batch is None or trainer.global_step == self._steps_before_batch:
             return False  # a micro-batch of gradient accumulation: nothing goes to the loggers yet
-        every = trainer.log_every_n_steps
-        # global_step counts this step now; Lightning's count (steps before it + 1) is the same
-        # number, also after a fault-tolerant heal moved both during the step.
-        return bool(trainer.fast_dev_run) or (every > 0 and (trainer.global_step % every == 0 or trainer.should_stop))
+        # global_step counts this step now, as Lightning's count does (also after a fault-tolerant
+        # heal moved both during the step).
+        return compat.loggers_write_step(trainer, trainer.global_step)
 
     def _log_step_values(self) -> None:
         """The values only the loggers (and ``tok/s`` in the progress bar) read, at the steps they

@@ -392,7 +392,7 @@ class PreemptionCheckpoint(Callback):
                             step, where, why, self.exit_code)
             _stop_child_observer()
             raise PreemptionExit(self.exit_code, None, step)
-        writes = getattr(trainer.strategy, "_ft_writes_checkpoints", None)
+        writes = getattr(trainer.strategy, "writes_checkpoints", None)
         if writes is not None and not writes():
             # Fault tolerance: another replica group writes the run's checkpoints (this group's
             # save would be skipped); this one heals from the live groups when it is relaunched.

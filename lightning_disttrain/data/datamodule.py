@@ -157,9 +157,7 @@ class TokenDataModule(L.LightningDataModule):
         if self._data_parallel_override is not None:
             return self._data_parallel_override
         strategy = getattr(self.trainer, "strategy", None)
-        kwargs = getattr(strategy, attribute, None) if strategy is not None else None
-        if kwargs is None and attribute != "distributed_sampler_kwargs":
-            kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
+        kwargs = getattr(strategy, attribute, None) or getattr(strategy, "distributed_sampler_kwargs", None)
         if not kwargs:
             return 1, 0
         return max(1, int(kwargs.get("num_replicas", 1))), int(kwargs.get("rank", 0))

@@ -249,11 +249,6 @@ class FaultTolerantStepMixin:
                    "ft/committed_steps": replicas.committed_steps, "ft/last_heal_ms": 1e3 * (replicas.last_heal_s or 0.0),
                    **{f"ft/{k}": v for k, v in stats.items()}}
         self.ft_metrics = metrics
-        # Straight to the loggers at the Trainer's logging cadence, not through self.log every step
-        # (Lightning's result collection per call; the metrics are host numbers already).
-        if trainer.loggers and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics({name: float(value) for name, value in metrics.items()}, step=trainer.global_step)
         # Below min_replicas only after that many were seen: a group that reaches the lighthouse
         # before the others trains (uncommitted) until they arrive instead of stopping at once.
         self._ft_most_seen = max(self._ft_most_seen, participants)
@@ -262,6 +257,12 @@ class FaultTolerantStepMixin:
                            f"{ft.min_replicas}: the step was not applied; saving a checkpoint and stopping")
             self._ft_stop_step = trainer.global_step
             trainer.should_stop = True
+        # Straight to the loggers at the steps Lightning writes its own metrics (this step is not
+        # counted yet), not through self.log every step (Lightning's result collection per call;
+        # the metrics are host numbers already).
+        if trainer.loggers and compat.loggers_write_step(trainer, trainer.global_step + 1):
+            for logger in trainer.loggers:
+                logger.log_metrics({name: float(value) for name, value in metrics.items()}, step=trainer.global_step)
 
     # -- healing -------------------------------------------------------------------------------
 
@@ -293,8 +294,10 @@ class FaultTolerantStepMixin:
 
     # -- checkpoints: one replica group writes -------------------------------------------------
 
-    def _ft_writes_checkpoints(self) -> bool:
-        """Whether this group writes the run's checkpoints now (always without fault tolerance)."""
+    def writes_checkpoints(self) -> bool:
+        """Whether this process's saves are written: with fault tolerance one replica group writes
+        the run's checkpoints at a time (participant 0 of the step's quorum), the others skip them;
+        always without it."""
         if self._replicas is None:
             return True
         if self._ft_capture is None:  # before the first quorum: the first group
@@ -309,6 +312,6 @@ class FaultTolerantStepMixin:
         directory = getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
         path = os.path.join(str(directory), f"ft-stopped-step={trainer.global_step}.ckpt")
         trainer.save_checkpoint(path)
-        if self._ft_writes_checkpoints():
+        if self.writes_checkpoints():
             rank_zero_info(f"fault tolerance: below min_replicas, saved {path}")
 

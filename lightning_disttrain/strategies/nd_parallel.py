@@ -432,12 +432,12 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
-        if self._ft_writes_checkpoints():  # with fault tolerance: one replica group writes
+        if self.writes_checkpoints():  # with fault tolerance: one replica group writes
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath) -> None:
-        if self._ft_writes_checkpoints():
+        if self.writes_checkpoints():
             super().remove_checkpoint(filepath)
 
     @override

@@ -85,7 +85,7 @@ class StepLog(L.Callback):
             self._write({"event": "released", "step": trainer.global_step, "t": time.time()})
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        writes = getattr(trainer.strategy, "_ft_writes_checkpoints", lambda: True)()
+        writes = getattr(trainer.strategy, "writes_checkpoints", lambda: True)()
         self._write({"event": "save", "step": trainer.global_step, "writer": bool(writes)})
 
     def _write(self, record: dict) -> None:
