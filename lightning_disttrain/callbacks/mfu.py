@@ -5,18 +5,24 @@ What one "step" is: one optimizer step. With gradient accumulation its micro-bat
 step to the end of this one, so it includes the optimizer and everything between batches.
 Validation inside ``fit`` is subtracted from the step it interrupts.
 
-What is measured, per step (all host clocks; with ``sync_cuda`` the GPU is drained at the end of
-every optimizer step, so the step time is the GPU's too):
+What is measured, per step. Step, compute and validation spans are marks on the device's timeline
+(``step_clock``): on a GPU, CUDA events recorded in the current stream, so a span is the time
+the device took to get from one mark to the next, with no ``torch.cuda.synchronize``: the monitor
+waits for its last event only at the steps whose values it computes (the logged ones). On CPU
+the marks are ``time.perf_counter`` values. ``MFUMonitor(device_timing=False)`` uses host clocks
+on a GPU too (the host's enqueueing, which runs ahead of the device).
 
-- ``data wait``: time blocked in the training loop's ``next()`` on the dataloader. Lightning times
-  exactly that call as its profiler action ``[_TrainingEpochLoop].train_dataloader_next``; the
-  monitor wraps the Trainer's profiler (delegating everything to it) to read that one span. A gap
-  between ``on_train_batch_end`` and the next ``on_train_batch_start`` would also count
-  checkpoint saving, logging and other callbacks as "waiting for data".
+- ``data wait``: host time blocked in the training loop's ``next()`` on the dataloader. Lightning
+  times exactly that call as its profiler action ``[_TrainingEpochLoop].train_dataloader_next``;
+  the monitor wraps the Trainer's profiler (delegating everything to it) to read that one span. A
+  gap between ``on_train_batch_end`` and the next ``on_train_batch_start`` would also count
+  checkpoint saving, logging and other callbacks as "waiting for data". On a GPU the host may
+  wait there while the device still runs queued work: an upper bound of what the data costs.
 - ``compute``: ``on_train_batch_start`` to ``on_train_batch_end`` of each micro-batch: forward,
-  backward, optimizer and, on several GPUs, the collectives inside them (FSDP, DDP): on the host
-  they cannot be told apart from compute.
-- the rest (``1 - data_wait - compute``): loop overhead, other callbacks, checkpoints, logging.
+  backward, optimizer and, on several GPUs, the collectives inside them (FSDP, DDP), which cannot
+  be told apart from compute at this level.
+- the rest (``1 - data_wait - compute``): loop overhead, other callbacks, checkpoints, logging
+  (on a GPU: the part of it the device sat idle for).
 
 FLOPs per token come from (first that applies) ``MFUMonitor(flops_per_token=...)``, the
 LightningModule's ``flops_per_token(seq_len)`` (GPTModule's: 6·N + 12·L·H·Dh·T), or are measured on
@@ -36,7 +42,6 @@ from __future__ import annotations
 
 import resource
 import sys
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,20 +54,38 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_disttrain.callbacks.fetch_timing import FetchTimingProfiler
+from lightning_disttrain.callbacks.step_clock import clock_for
 from lightning_disttrain.peak_flops import forward_flop_counter, measure_cpu_peak_flops, table_peak
 from lightning_disttrain.parallel.float8 import has_float8
 
 @dataclass
 class _Step:
-    time_s: float
+    start: Any
+    """Clock mark where the step began (where the previous one ended)."""
+    end: Any
+    batches: list[tuple[Any, Any]]
+    """Clock marks of each micro-batch's start and end."""
+    validations: list[tuple[Any, Any]]
+    """Clock marks of the validation runs inside the step (subtracted from its time)."""
     tokens: int
     """Global tokens of the step (all micro-batches, all data-parallel ranks)."""
     flops: float
     """Global model FLOPs of the step."""
     fetch_s: float
-    compute_s: float
     micro_tokens: int
     """Tokens of one micro-batch on this rank (the largest of the step)."""
+    time_s: float = 0.0
+    compute_s: float = 0.0
+    timed: bool = False
+    """``time_s`` and ``compute_s`` were read off the marks (which are then dropped)."""
+
+    def read_times(self, clock: Any) -> None:
+        if self.timed:
+            return
+        val_s = sum(clock.seconds(a, b) for a, b in self.validations)
+        self.time_s = max(clock.seconds(self.start, self.end) - val_s, 1e-9)
+        self.compute_s = sum(clock.seconds(a, b) for a, b in self.batches)
+        self.timed, self.start, self.end, self.batches, self.validations = True, None, None, [], []
 
 
 def count_tokens(batch: Any) -> tuple[int, int]:
@@ -127,16 +150,18 @@ class MFUMonitor(Callback):
             LightningModule's ``flops_per_token(seq_len)`` method or attribute, else measures;
             ``"measure"`` measures even when the module has one (see the module docstring).
         warmup_steps: optimizer steps (compilation, allocator warm-up) before the check may fire.
-        log_every_n_steps: None: the Trainer's ``log_every_n_steps``.
+        log_every_n_steps: None: the Trainer's ``log_every_n_steps``. Values are computed (and the
+            low-MFU check made) at the logged steps only: on a GPU, the only steps where the
+            monitor waits for the device.
         tokens_fn: ``batch -> (tokens on this rank, seq_len)``; default: ``x`` of an ``(x, y)`` batch.
-        sync_cuda: synchronise CUDA at the end of each optimizer step so host clocks time the GPU.
+        device_timing: time spans on the device's timeline (CUDA events) on a GPU; False: host clocks.
         peak_flops_fp8: the dense fp8 peak FLOP/s for ``perf/mfu_fp8``; None looks it up by name.
     """
 
     def __init__(self, window: int = 20, peak_flops: float | None = None, warn_below: float = 0.30,
                  flops_per_token: float | Callable[[int], float] | str | None = None, warmup_steps: int = 3,
                  log_every_n_steps: int | None = None,
-                 tokens_fn: Callable[[Any], tuple[int, int]] | None = None, sync_cuda: bool = True,
+                 tokens_fn: Callable[[Any], tuple[int, int]] | None = None, device_timing: bool = True,
                  data_wait_threshold: float = 0.2, small_batch_tokens: int = 8192,
                  peak_flops_fp8: float | None = None) -> None:
         if window < 1 or warmup_steps < 0:
@@ -149,7 +174,7 @@ class MFUMonitor(Callback):
             raise ValueError(f"flops_per_token={flops_per_token!r}: pass a number, fn(seq_len), "
                              f"'measure' or None")
         self.window, self.warn_below, self.warmup_steps = window, warn_below, warmup_steps
-        self.log_every_n_steps, self.sync_cuda = log_every_n_steps, sync_cuda
+        self.log_every_n_steps, self.device_timing = log_every_n_steps, device_timing
         self.data_wait_threshold, self.small_batch_tokens = data_wait_threshold, small_batch_tokens
         self._peak_arg, self._peak_fp8_arg = peak_flops, peak_flops_fp8
         self._flops_arg, self._tokens_fn = flops_per_token, tokens_fn or count_tokens
@@ -165,7 +190,7 @@ class MFUMonitor(Callback):
         self.flops_per_token: dict[int, float] = {}
         """Training FLOPs per token in use, by sequence length."""
         self.metrics: dict[str, float] = {}
-        """The last values logged."""
+        """The last values logged; after training, the last window's."""
         self.warnings: list[str] = []
         """Low-MFU warnings issued in this run."""
         self._steps: deque[_Step] = deque(maxlen=window)
@@ -204,6 +229,8 @@ class MFUMonitor(Callback):
         self._world = trainer.world_size
         self._dp = _data_parallel_size(trainer)
         self._device = pl_module.device
+        self._clock = clock_for(self._device, self.device_timing)
+        self._val_start: Any = None
         self.peak, self.peak_source = self._resolve_peak(pl_module)
         if self.peak is not None:
             rank_zero_info(f"MFUMonitor: peak {self.peak / 1e12:.4g} TFLOP/s per device ({self.peak_source})")
@@ -258,17 +285,19 @@ class MFUMonitor(Callback):
             self.peak_fp8, _ = self._resolve_peak(pl_module, float8=True)
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
-        self._reset_step(time.perf_counter())
+        self._reset_step(self._clock.mark())
 
-    def _reset_step(self, now: float) -> None:
-        self._t_step = now
+    def _reset_step(self, start: Any) -> None:
+        self._step_start = start
         self._fetch_mark = self._fetch.fetch_s if self._fetch is not None else 0.0
         self._tokens = self._micro_tokens = 0
-        self._flops = self._compute_s = self._val_s = 0.0
+        self._flops = 0.0
+        self._batches: list[tuple[Any, Any]] = []
+        self._validations: list[tuple[Any, Any]] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._t_batch = time.perf_counter()
+        self._batch_start = self._clock.mark()
         tokens, seq_len = self._tokens_fn(batch)
         self._tokens += tokens * self._dp
         self._micro_tokens = max(self._micro_tokens, tokens)
@@ -311,39 +340,44 @@ class MFUMonitor(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         self._finish_measuring()  # no backward ran (training_step returned None)
-        stepped = trainer.global_step != self._last_global_step
-        if stepped and self.sync_cuda and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        now = time.perf_counter()
-        self._compute_s += now - self._t_batch
-        if not stepped:
+        end = self._clock.mark()
+        self._batches.append((self._batch_start, end))
+        if trainer.global_step == self._last_global_step:
             return  # a micro-batch of gradient accumulation: the optimizer step is still to come
         self._last_global_step = trainer.global_step
         fetch = (self._fetch.fetch_s if self._fetch is not None else 0.0) - self._fetch_mark
-        self._steps.append(_Step(time_s=max(now - self._t_step - self._val_s, 1e-9), tokens=self._tokens,
-                                 flops=self._flops, fetch_s=fetch, compute_s=self._compute_s,
-                                 micro_tokens=self._micro_tokens))
+        self._steps.append(_Step(start=self._step_start, end=end, batches=self._batches,
+                                 validations=self._validations, tokens=self._tokens, flops=self._flops,
+                                 fetch_s=fetch, micro_tokens=self._micro_tokens))
         self._steps_seen += 1
-        self._reset_step(now)
-        self.metrics = self._window_metrics()
+        self._reset_step(end)
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if trainer.global_step % max(every, 1) == 0:
-            for logger in trainer.loggers:
-                # Lightning logs this optimizer step's train/loss at step global_step - 1: same row.
-                logger.log_metrics(self.metrics, step=trainer.global_step - 1)
+        if trainer.global_step % max(every, 1) != 0:
+            return  # nothing read off the clock: on a GPU, no wait for the device at this step
+        self.metrics = self._window_metrics()
+        for logger in trainer.loggers:
+            # Lightning logs this optimizer step's train/loss at step global_step - 1: same row.
+            logger.log_metrics(self.metrics, step=trainer.global_step - 1)
         self._check_low_mfu()
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._steps and not self._steps[-1].timed:
+            self.metrics = self._window_metrics()  # the last window's, for a reader after fit()
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._t_val = time.perf_counter()
+        self._val_start = self._clock.mark() if trainer.state.fn == TrainerFn.FITTING else None
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
-            self._val_s += time.perf_counter() - self._t_val
+        if self._val_start is not None and not trainer.sanity_checking:
+            self._validations.append((self._val_start, self._clock.mark()))
+        self._val_start = None
 
     # ---- metrics -------------------------------------------------------------------------
 
     def _window_metrics(self) -> dict[str, float]:
         steps = list(self._steps)
+        for step in steps:
+            step.read_times(self._clock)
         total_s = sum(s.time_s for s in steps)
         tokens_per_s = sum(s.tokens for s in steps) / total_s
         flops_per_device = sum(s.flops for s in steps) / total_s / self._world

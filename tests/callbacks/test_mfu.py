@@ -19,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_disttrain.callbacks import MFUMonitor, peak_flops
+from lightning_disttrain.callbacks import MFUMonitor, peak_flops, step_clock
+from lightning_disttrain.callbacks import mfu
 from lightning_disttrain.callbacks.mfu import diagnose, table_peak
 from lightning_disttrain.peak_flops import chip_of, measure_cpu_peak_flops
 from lightning_disttrain.models.gpt import GPT, GPTConfig
@@ -174,6 +175,52 @@ def test_user_flops_and_peak_override_the_model_and_the_table(tmp_path):
     m = monitor.metrics
     assert monitor.peak_source == "user"
     assert m["perf/mfu"] == pytest.approx(m["perf/tokens_per_sec"] * 1e6 / 2e12)
+
+
+class ManualClock(step_clock.HostClock):
+    """A clock that moves only when the test moves it; counts when its spans are read."""
+
+    def __init__(self):
+        self.now, self.reads, self.trainer = 0.0, [], None
+
+    def mark(self):
+        return self.now
+
+    def seconds(self, start, end):
+        self.reads.append(self.trainer.global_step)
+        return end - start
+
+
+def test_spans_are_read_off_the_clock_at_logged_steps_only_with_validation_subtracted(monkeypatch, tmp_path):
+    """On a GPU the clock's marks are CUDA events and reading a span waits for the device: the
+    monitor must read only at the steps it logs. Each micro-batch takes 1 s and each validation
+    100 s on the clock, so a step's time is exactly its two micro-batches."""
+    clock = ManualClock()
+    monkeypatch.setattr(mfu, "clock_for", lambda device, device_timing=True: clock)
+
+    class Timed(GPTModule):
+        def training_step(self, batch, batch_idx):
+            clock.now += 1.0
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            clock.now += 100.0
+            return super().validation_step(batch, batch_idx)
+
+    monitor = MFUMonitor(window=2, log_every_n_steps=2, warn_below=0.0, peak_flops=1e12)
+    trainer = _trainer([monitor], tmp_path, steps=6, accumulate_grad_batches=2, val_check_interval=4,
+                       limit_val_batches=1, num_sanity_val_steps=1)
+    clock.trainer = trainer
+    val = DataLoader(TensorDataset(*_tokens(BATCH)), batch_size=BATCH)
+    trainer.fit(Timed("tiny", vocab_size=VOCAB), train_dataloaders=TokenData().train_dataloader(),
+                val_dataloaders=val)
+    assert clock.now == 12 + 100 * 4  # 12 micro-batches; sanity check, validation after steps 2, 4, 6
+    assert sorted(set(clock.reads)) == [2, 4, 6]  # nothing read at steps 1, 3, 5, nor after the last log
+    rows = [r for r in _csv_rows(trainer.logger) if r.get("perf/step_time_s")]
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]  # optimizer steps 2, 4, 6 (Lightning's step - 1)
+    for r in rows:
+        assert float(r["perf/step_time_s"]) == 2.0 and float(r["perf/compute_frac"]) == 1.0
+        assert float(r["perf/tokens_per_sec"]) == 2 * BATCH * SEQ / 2.0
 
 
 class SlowTokens(Dataset):
