@@ -82,7 +82,10 @@ def _grads(moe, fn, x, g):
 
 
 def _max_diff(a, b):
-    return max((u - v).abs().max().item() for u, v in zip(a, b))
+    """Largest difference of tensor pairs, relative to each reference's largest entry (at least 1):
+    fp32 gradients summed in another order differ by ~1e-7 of their scale, which reaches 1e-5
+    absolute on a weight gradient of magnitude 50 (seen on an AMD EPYC host)."""
+    return max((u - v).abs().max().item() / max(1.0, v.abs().max().item()) for u, v in zip(a, b))
 
 
 @pytest.mark.parametrize(("activation", "score", "shared"),
