@@ -17,9 +17,10 @@ torch.set_num_threads(int(os.environ.get("LDT_TEST_THREADS", "1")))
 # ---- one launch per world size for the multi-rank training runs ----------------------------
 # A test module declares ``WORKER`` (the worker module's name) and ``LAUNCH = {devices: [run, ...]}``;
 # its fixtures ask ``launched(WORKER, devices)`` for ``{run: [rank results]}``. ``multi_worker.py``
-# starts once per world size with the runs of every *selected* module that needs that size (running
-# one test file launches only its own runs), so the suite pays Python's and Lightning's start-up
-# once per world size instead of once per worker.
+# starts per world size with the runs of every *selected* module that needs that size (running
+# one test file launches only its own runs), in sets of ``_RUNS_PER_PROCESS`` runs per set of rank
+# processes, so the suite pays Python's and Lightning's start-up once per set instead of once per
+# run (and not the idle process groups of a whole launch's runs: see ``_RUNS_PER_PROCESS``).
 #
 # The launches start in the background when the first test runs (one at a time: 2, 4, then 8
 # ranks), and the tests are ordered so that the tests that are not slow (one process, one thread)
@@ -71,14 +72,26 @@ def pytest_collection_finish(session):  # the selected items, after -k / -m dese
             _NEEDED.setdefault(devices, []).extend((module.WORKER, run) for run in runs)
 
 
+# Runs per set of rank processes: a launch's runs go to fresh processes every this many runs.
+# Every run leaves its process groups behind (torch's DeviceMesh makes one per mesh dimension,
+# even of size 1), and each idle gloo group keeps threads polling: after 16 runs of the 4-rank
+# launch each rank held 445 threads and burnt 0.19 of a core doing nothing (0.02 after one run;
+# measured with a sleeping probe run, 2026-12-03), so a launch's cost grew with the square of its
+# runs. Destroying a run's groups instead broke a later pipeline x tensor parallel run (a DTensor
+# resolved another rank's group name): fresh processes cost a start-up (~5 s per rank) instead.
+_RUNS_PER_PROCESS = int(os.environ.get("LDT_RUNS_PER_PROCESS", "15"))
+
+
 def _launch_once(out: Path, devices: int, jobs: list[tuple[str, str]]) -> tuple[bool, str] | None:
     """Run the launch; None if it passed, else (whether a run raised an error of its own, what
     failed). Not "its own": a rank only vanished (killed, or its peers' collectives broke)."""
     from lightning_disttrain.rank_errors import _PEER_GONE
 
     try:
-        run_lightning_script(Path(__file__).parent / "multi_worker.py", out, devices,
-                             *(f"{w}:{r}" for w, r in jobs), timeout=300 + 60 * len(jobs))
+        for start in range(0, len(jobs), _RUNS_PER_PROCESS):
+            chunk = jobs[start:start + _RUNS_PER_PROCESS]
+            run_lightning_script(Path(__file__).parent / "multi_worker.py", out, devices,
+                                 *(f"{w}:{r}" for w, r in chunk), timeout=300 + 60 * len(chunk))
         return None
     except AssertionError as e:
         records = {p.name: p.read_text() for p in sorted(out.glob("FAILED.*"))}

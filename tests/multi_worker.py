@@ -6,7 +6,8 @@ Each WORKER is a module in tests/strategies, tests/callbacks or tests/planning w
 dict`` (fsdp2_worker, tp_worker, pp_worker, callbacks_worker, ...). ``L.Trainer(devices=DEVICES)``
 in the first run re-launches this script on the other ranks (Lightning's subprocess launcher); every later run reuses those
 processes and their process group, so the suite pays Python's and Lightning's start-up once per
-world size instead of once per worker. Each rank writes ``OUT_DIR/WORKER.RUN.rankR.json``; runs
+set of runs (tests/conftest.py starts a new set every ``_RUNS_PER_PROCESS`` runs) instead of once
+per run. Each rank writes ``OUT_DIR/WORKER.RUN.rankR.json``; runs
 find ``OUT_DIR`` in ``LDT_LAUNCH_OUT`` for files every rank shares.
 """
 

@@ -230,7 +230,7 @@ def test_plan_assumptions_include_bytes_per_parameter(capsys):
 # ---- eval defaults, export and HF file modes, on one short run --------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not "module": the suite runs this module's slow test in a later group
 def checkpoint(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("run")
     callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -261,7 +261,7 @@ def test_eval_with_its_defaults_scores_an_exported_file(checkpoint, tmp_path):
     assert {"lambada_openai", "piqa", "arc_easy", "winogrande", "copa"} <= set(metrics)
 
 
-@pytest.mark.slow  # 2 processes (its module's checkpoint fixture is built again for the slow group)
+@pytest.mark.slow  # 2 processes
 def test_eval_heldout_without_a_corpus_is_one_error_on_two_devices(checkpoint, tmp_path):
     out = _run(tmp_path, "eval", str(checkpoint), "--tasks", "heldout", "--devices", "2", timeout=180)
     text = _short_error(out, max_lines=1)
