@@ -74,11 +74,11 @@ def pytest_collection_finish(session):  # the selected items, after -k / -m dese
 
 # Runs per set of rank processes: a launch's runs go to fresh processes every this many runs.
 # Every run leaves its process groups behind (torch's DeviceMesh makes one per mesh dimension,
-# even of size 1), and each idle gloo group keeps threads polling: after 16 runs of the 4-rank
-# launch each rank held 445 threads and burnt 0.19 of a core doing nothing (0.02 after one run;
-# measured with a sleeping probe run, 2026-12-03), so a launch's cost grew with the square of its
-# runs. Destroying a run's groups instead broke a later pipeline x tensor parallel run (a DTensor
-# resolved another rank's group name): fresh processes cost a start-up (~5 s per rank) instead.
+# even of size 1), and each idle gloo group keeps about 3 threads polling, 0.0016 of a core per
+# rank (benchmarks/bench_idle_groups.py, docs/benchmarks.md section 20), so one set of processes
+# costs more with every run it has run. Destroying a run's groups instead broke a later pipeline x
+# tensor parallel run (a DTensor resolved another rank's group name): fresh processes cost a
+# start-up (~5 s per rank) instead.
 _RUNS_PER_PROCESS = int(os.environ.get("LDT_RUNS_PER_PROCESS", "15"))
 
 
