@@ -93,7 +93,7 @@ def main() -> None:
     data, ckpt_dir, out, run, steps = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4], int(sys.argv[5])
     ckpt_path = sys.argv[6] if len(sys.argv) > 6 else None
     L.seed_everything(1234, workers=True)
-    rec, pre = Recorder(), PreemptionCheckpoint()
+    rec, pre = Recorder(), PreemptionCheckpoint(check_every_n_steps=1)  # section 15: one agreement per step
     probe = [AlignedAllReduce()] if os.environ.get("BENCH_PROBE") else []
     mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=3, save_top_k=2,
                          monitor="step", mode="max")

@@ -7,21 +7,32 @@ What happens, in order:
    handler: the signalled rank then waits in that broadcast while the others wait in the step's
    reduce-scatter, and both hang until the 30-minute collective timeout. Lightning's SLURM
    SIGUSR1 handler (a save inside the handler) is replaced for the same reason.
-2. At a step boundary (``on_train_batch_end`` after an optimizer step, every
-   ``check_every_n_steps`` steps) all ranks agree: one ``all_reduce(MAX)`` of a one-element host
-   tensor over every rank (``comm.host_group``: the default group under gloo, a gloo group beside
-   NCCL, so that reading the flag does not drain the GPU's queue; ``lightning_disttrain.comm``). The signal may have reached any subset of
-   the ranks. During a validation inside ``fit`` (``stop_validation=True``) the ranks also agree
-   after every validation batch, so a signal there stops the validation at the end of the batch in
-   progress instead of waiting for the whole validation and the next training step. Every rank
-   must run the same number of validation batches (as a ``DistributedSampler`` and FSDP's
-   all-gathers in the forward need anyway).
+2. At a boundary (``on_train_batch_end`` after an optimizer step; during a validation inside
+   ``fit`` with ``stop_validation=True``, the end of each validation batch) the ranks may agree:
+   one ``all_reduce(MAX)`` of a three-element host tensor ``[flag, seconds per boundary, age of
+   the oldest signal]`` over every rank (``comm.host_group``: the default group under gloo, a gloo
+   group beside NCCL, so that reading the flag does not drain the GPU's queue;
+   ``lightning_disttrain.comm``). The signal may have reached any subset of the ranks. That
+   all-reduce is a host barrier across the whole world (about 2 x (ranks - 1) sequential hops
+   under gloo), so it is not paid at every boundary: with ``check_every_n_steps="auto"`` (the
+   default) the ranks agree at the first boundary, and each agreement sets the number of
+   boundaries to the next one, ``agreement_interval``: as many as fit in ``AGREEMENT_SHARE`` of
+   the grace period at the slowest rank's mean boundary time since the previous agreement, at
+   most twice the previous interval (a measurement widens it gradually) and ``MAX_INTERVAL``. It
+   is a pure function of all-reduced values, so every rank agrees at the same boundary (a rank
+   that skipped one would deadlock the others). Without a process group there is no collective
+   and every boundary is an agreement. ``check_every_n_steps=k`` agrees every k optimizer steps
+   (and after every validation batch), as before. A signal during the last interval of ``fit``
+   is agreed on at the end of training (``on_train_end``, "auto" only). Every rank must run the
+   same number of validation batches (as a ``DistributedSampler`` and FSDP's all-gathers in the
+   forward need anyway).
 3. If any rank was told: wait for the async save in flight, save synchronously (manifest last) to
    ``<dirpath>/preempted-step=NNNNNN.ckpt``, point ``<dirpath>/last.ckpt`` at it (unless that name
    is a real checkpoint directory), log one line, requeue the job under SLURM (``scontrol requeue``,
    as Lightning's SLURM integration does) and exit with ``exit_code`` on every rank
    (``PreemptionExit``, a ``SystemExit``). A watchdog ends the process with ``exit_code`` if the
-   save has not finished ``grace_period_s`` after the agreement: the partial checkpoint has no
+   save has not finished ``grace_period_s`` after the first signal (the agreement carries the
+   oldest signal's age, so the time spent reaching it comes out of the save's): the partial checkpoint has no
    manifest, so resume discovery skips it and takes the previous complete one. Everything in this
    exit path runs inside its error handling: whatever fails in it (the async save in flight, the
    save, the link, the barrier) is logged, ``last.ckpt`` is pointed at the newest complete
@@ -72,7 +83,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -97,6 +108,29 @@ SAFETY_MARGIN_S = 10.0
 step or a validation batch) before the grace period starts, and the teardown after the save."""
 DEFAULT_GRACE_PERIOD_S = 20.0
 """``"auto"`` without ``LDT_PREEMPTION_WINDOW_S``: Kubernetes' default 30 s window less the margin."""
+AGREEMENT_SHARE = 0.25
+"""``check_every_n_steps="auto"``: the share of ``grace_period_s`` that the boundaries between two
+agreements may take at the measured pace; a signal right after an agreement waits at most about
+that long (plus the boundary in progress), and the save keeps the rest of the grace period."""
+MAX_INTERVAL = 1000
+"""``"auto"``: the most boundaries between two agreements, however fast the steps."""
+
+
+def agreement_interval(seconds_per_boundary: float, grace_period_s: float, previous: int) -> int:
+    """The boundaries until the next agreement under ``check_every_n_steps="auto"``:
+    ``floor(AGREEMENT_SHARE * grace_period_s / seconds_per_boundary)``, clamped to
+    ``[1, min(2 * previous, MAX_INTERVAL)]``. ``seconds_per_boundary``: the slowest rank's mean
+    time per boundary since the previous agreement (all-reduced), ``previous``: the interval that
+    just ended. A pure function of values every rank shares, so every rank agrees at the same
+    boundary; doubling at most keeps one fast measurement (after a warm-up, a resume) from jumping
+    far. A time that is not a finite positive number (NaN, a clock that did not move) counts as
+    slow: 1, or as instant: the cap."""
+    if not seconds_per_boundary == seconds_per_boundary or seconds_per_boundary == float("inf"):
+        return 1  # NaN or infinite: agree at the next boundary
+    cap = max(1, min(2 * int(previous), MAX_INTERVAL))
+    if seconds_per_boundary <= 0:
+        return cap
+    return max(1, min(int(AGREEMENT_SHARE * grace_period_s / seconds_per_boundary), cap))
 
 
 def grace_period_for(window_s: float, margin_s: float = SAFETY_MARGIN_S) -> float:
@@ -146,6 +180,21 @@ def resolve_grace_period(grace_period_s: float | str) -> float:
                          f"SIGKILL: e.g. 20), or 'auto' with ${WINDOW_ENV}") from None
 
 
+class Agreement(NamedTuple):
+    """One agreement collective, as every rank saw it after the all-reduce."""
+
+    boundary: int
+    """Boundaries (optimizer steps and validation batches) since the start of training in this fit."""
+    step: int
+    """``trainer.global_step`` at it."""
+    seconds_per_boundary: float
+    """The slowest rank's mean time per boundary since the previous agreement."""
+    interval: int
+    """Boundaries to the next agreement (``"auto"``: ``agreement_interval``; an int: unused)."""
+    stop: bool
+    """Whether any rank had been told to stop."""
+
+
 class PreemptionExit(SystemExit):
     """Raised on every rank after the agreed preemption checkpoint is complete; ``code`` is the exit code."""
 
@@ -166,9 +215,14 @@ class PreemptionCheckpoint(Callback):
         notice: a callable polled from a background thread (``AWSSpotNotice()``,
             ``GCPPreemptionNotice()``, or your own) returning a reason when preemption is announced.
         poll_interval_s: how often ``notice`` is called.
-        check_every_n_steps: agree every k optimizer steps (one all-reduce of 4 bytes each time).
-        grace_period_s: the deadline for the save, from the agreement; past it the process exits
-            without a complete checkpoint (the previous one is used on resume). ``"auto"``
+        check_every_n_steps: ``"auto"`` (default): agree at the first boundary, then every
+            ``agreement_interval`` boundaries (steps and validation batches), so that the
+            boundaries between two agreements take at most ``AGREEMENT_SHARE`` of
+            ``grace_period_s`` at the measured pace; one all-reduce of 24 bytes each time, none
+            between. An int k: agree every k optimizer steps and after every validation batch
+            (1: every step, a world-wide all-reduce each time).
+        grace_period_s: the deadline for the save, from the first signal (on any rank); past it
+            the process exits without a complete checkpoint (the previous one is used on resume). ``"auto"``
             (default): the scheduler's window from ``$LDT_PREEMPTION_WINDOW_S`` (seconds between
             the signal and SIGKILL) less 10 s, else 20 s (Kubernetes' and GCP's 30 s less 10 s).
             Seconds: as given (``grace_period_for(window_s)`` computes them from a window).
@@ -185,14 +239,16 @@ class PreemptionCheckpoint(Callback):
     """
 
     def __init__(self, dirpath: str | os.PathLike | None = None, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
-                 notice: Notice | None = None, poll_interval_s: float = 5.0, check_every_n_steps: int = 1,
+                 notice: Notice | None = None, poll_interval_s: float = 5.0, check_every_n_steps: int | str = "auto",
                  grace_period_s: float | str = "auto", exit_code: int = 143, requeue: bool = True,
                  stop_validation: bool = True, save: bool = True) -> None:
         unknown = [s for s in signals if s not in SIGNALS]
         if unknown:
             raise ValueError(f"signals={list(signals)}: unknown {unknown}; choose from {sorted(SIGNALS)}")
-        if check_every_n_steps < 1:
-            raise ValueError(f"check_every_n_steps={check_every_n_steps}: agree at least every step (1) or every k > 1")
+        if check_every_n_steps != "auto" and (isinstance(check_every_n_steps, bool) or not isinstance(
+                check_every_n_steps, int) or check_every_n_steps < 1):
+            raise ValueError(f"check_every_n_steps={check_every_n_steps!r}: pass 'auto' (agree as often as the grace "
+                             f"period needs) or a whole number of optimizer steps k >= 1 (1: every step)")
         grace_period_s = resolve_grace_period(grace_period_s)
         if not 0 <= exit_code <= 255:
             raise ValueError(f"exit_code={exit_code}: an exit status is 0..255")
@@ -208,8 +264,17 @@ class PreemptionCheckpoint(Callback):
         """Why this rank wants to stop (set by a signal handler or the notice thread), else None."""
         self.agreement_seconds: list[float] = []
         """Wall time of each agreement collective on this rank (for measuring its cost)."""
+        self.agreements: list[Agreement] = []
+        """Every agreement collective this rank ran, in order (one ``comm.all_reduce`` each); none
+        without a process group. Identical on every rank (its values are all-reduced)."""
         self._previous: dict[int, Any] = {}
         self._checked_step = -1
+        self._signalled_at: float | None = None  # time.monotonic() of this rank's first request
+        self._signal_age = 0.0  # the oldest signal's age at the agreement (all ranks), for the watchdog
+        self._boundary = 0  # boundaries since on_train_start
+        self._interval = 1  # "auto": boundaries from one agreement to the next
+        self._agreed_boundary = 0  # the boundary of the last agreement
+        self._agreed_at = 0.0  # time.monotonic() at its end
         self._poller: NoticePoller | None = None
         self._flag_group: Any = None  # comm.host_group(), from setup
 
@@ -220,6 +285,8 @@ class PreemptionCheckpoint(Callback):
     def request(self, reason: str) -> None:
         """Ask for a preemption checkpoint at the next agreement (what the handlers call; thread-safe)."""
         if self.reason is None:
+            if self._signalled_at is None:
+                self._signalled_at = time.monotonic()  # before the reason: an agreement that sees it sees this
             self.reason = reason
 
     def _on_signal(self, signum: int, frame: Any = None) -> None:
@@ -255,7 +322,7 @@ class PreemptionCheckpoint(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self.reason = None
+            self.reason, self._signalled_at = None, None
             self._checked_step = -1
             if comm.is_distributed() and trainer.world_size > 1:
                 self._flag_group = comm.host_group()  # collective: every rank's setup runs here
@@ -299,6 +366,11 @@ class PreemptionCheckpoint(Callback):
                              f"{next(p for p in gathered if p)[0]}")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The agreement schedule starts afresh in every fit (a resume too): it follows timing, not
+        # the training state, so nothing of it is checkpointed. A boundary is a change of global_step.
+        self._checked_step = trainer.global_step
+        self._boundary, self._interval, self._agreed_boundary = 0, 1, 0
+        self._agreed_at = time.monotonic()
         self._install_handlers()  # replaces what Lightning registered just before training
         if self.notice is not None and trainer.local_rank == 0 and self._poller is None:
             self._poller = NoticePoller(self.notice, self.poll_interval_s, self.request)
@@ -309,10 +381,12 @@ class PreemptionCheckpoint(Callback):
         if trainer.is_global_zero and self.save:
             self._keep_last_link(trainer)
         step = trainer.global_step
-        if step == self._checked_step or step % self.check_every_n_steps:
-            return  # not a step boundary (gradient accumulation), or not a checking step
+        if step == self._checked_step:
+            return  # not a step boundary (gradient accumulation)
         self._checked_step = step
-        if self._agree(trainer):
+        self._boundary += 1
+        due = self._due(trainer) if self.check_every_n_steps == "auto" else step % self.check_every_n_steps == 0
+        if due and self._agree(trainer):
             self._save_and_exit(trainer)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
@@ -321,12 +395,19 @@ class PreemptionCheckpoint(Callback):
         # nothing is trained); every rank is at the same batch index here.
         if not self.stop_validation or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
+        self._boundary += 1
+        if self.check_every_n_steps == "auto" and not self._due(trainer):
+            return
         if self._agree(trainer):
             self._save_and_exit(trainer, in_validation=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and self.save:
             self._keep_last_link(trainer)
+        # "auto": a signal in the boundaries since the last agreement would otherwise go unheard
+        # (the run ends, nothing saved since the last checkpoint); every rank ends training here.
+        if self.check_every_n_steps == "auto" and self._boundary > self._agreed_boundary and self._agree(trainer):
+            self._save_and_exit(trainer)
 
     def _keep_last_link(self, trainer: pl.Trainer) -> None:
         # Without ModelCheckpoint(save_last=...), keep last.ckpt pointing at its newest save, so that
@@ -367,16 +448,37 @@ class PreemptionCheckpoint(Callback):
 
     # ---- agreement, save, exit --------------------------------------------------------------
 
-    def _agree(self, trainer: pl.Trainer) -> bool:
+    def _due(self, trainer: pl.Trainer) -> bool:
+        """``"auto"``: whether the ranks agree at this boundary. Without a process group every
+        boundary is an agreement (it costs no collective)."""
         if not comm.is_distributed() or trainer.world_size == 1:
+            return True
+        return self._boundary - self._agreed_boundary >= self._interval
+
+    def _age(self, now: float) -> float:
+        signalled = self._signalled_at if self.reason is not None else None
+        return 0.0 if signalled is None else max(now - signalled, 0.0)
+
+    def _agree(self, trainer: pl.Trainer) -> bool:
+        start = time.monotonic()
+        if not comm.is_distributed() or trainer.world_size == 1:
+            self._agreed_boundary, self._agreed_at, self._signal_age = self._boundary, start, self._age(start)
             return self.reason is not None
-        start = time.perf_counter()
-        # On the host, over a gloo group (comm.host_group, made in setup): reading the result then
-        # waits for the 4-byte exchange only, not for the accelerator's queue to drain.
-        flag = torch.tensor([0 if self.reason is None else 1], dtype=torch.int32)
-        comm.all_reduce(flag, op="max", group=self._flag_group)
-        agreed = bool(flag.item())
-        self.agreement_seconds.append(time.perf_counter() - start)
+        # One collective carries all three (MAX): whether any rank was told, the slowest rank's
+        # pace (the next interval, the same on every rank) and the oldest signal's age (the
+        # watchdog's deadline). On the host, over a gloo group (comm.host_group, made in setup):
+        # reading the result then waits for the exchange only, not for the accelerator's queue.
+        told = self.reason is not None
+        per_boundary = (start - self._agreed_at) / max(self._boundary - self._agreed_boundary, 1)
+        values = torch.tensor([float(told), per_boundary, self._age(start)], dtype=torch.float64)
+        comm.all_reduce(values, op="max", group=self._flag_group)
+        agreed, per_boundary, self._signal_age = bool(values[0].item()), values[1].item(), values[2].item()
+        end = time.monotonic()
+        self.agreement_seconds.append(end - start)
+        if self.check_every_n_steps == "auto":
+            self._interval = agreement_interval(per_boundary, self.grace_period_s, self._interval)
+        self.agreements.append(Agreement(self._boundary, trainer.global_step, per_boundary, self._interval, agreed))
+        self._agreed_boundary, self._agreed_at = self._boundary, end
         return agreed
 
     def _save_and_exit(self, trainer: pl.Trainer, in_validation: bool = False) -> None:
@@ -403,7 +505,9 @@ class PreemptionCheckpoint(Callback):
             _stop_child_observer()
             raise PreemptionExit(self.exit_code, None, step)
         path = _join(self.dirpath, f"preempted-step={step:06d}.ckpt")
-        watchdog = _Deadline(self.grace_period_s, self.exit_code, path)
+        # grace_period_s runs from the oldest signal: reaching the agreement took part of it.
+        watchdog = _Deadline(max(self.grace_period_s - self._signal_age, 0.0), self.grace_period_s, self.exit_code,
+                             path)
         failure: BaseException | None = None
         try:
             try:
@@ -552,8 +656,8 @@ def _saves_directories(trainer: pl.Trainer) -> bool:
 
 def ensure_signal_safety(trainer: pl.Trainer) -> None:
     """Give a run without a ``PreemptionCheckpoint`` one that saves nothing: a SIGTERM / SIGUSR1 on
-    any rank (or on the launcher, which is rank 0) then makes every rank agree at the next step
-    boundary and exit with code 143 and one message, instead of Lightning's handler, which
+    any rank (or on the launcher, which is rank 0) then makes every rank agree at the next
+    agreement (``check_every_n_steps="auto"``) and exit with code 143 and one message, instead of Lightning's handler, which
     broadcasts inside the signal handler and leaves the ranks waiting on each other for good."""
     if not any(isinstance(cb, PreemptionCheckpoint) for cb in trainer.callbacks):
         trainer.callbacks.append(PreemptionCheckpoint(save=False))
@@ -594,15 +698,16 @@ def _stop_child_observer() -> None:
 class _Deadline:
     """Ends the process with ``exit_code`` unless cancelled within ``seconds``."""
 
-    def __init__(self, seconds: float, exit_code: int, path: str) -> None:
-        self._timer = threading.Timer(seconds, self._expire, args=(seconds, exit_code, path))
+    def __init__(self, seconds: float, grace_period_s: float, exit_code: int, path: str) -> None:
+        self._timer = threading.Timer(seconds, self._expire, args=(grace_period_s, exit_code, path))
         self._timer.daemon = True
         self._timer.start()
 
     @staticmethod
-    def _expire(seconds: float, exit_code: int, path: str) -> None:
-        log.error("preemption checkpoint %s not complete %.0f s after the agreement (grace_period_s); exiting "
-                  "without it: it has no manifest, so resume takes the previous complete checkpoint", path, seconds)
+    def _expire(grace_period_s: float, exit_code: int, path: str) -> None:
+        log.error("preemption checkpoint %s not complete %.0f s after the first signal (grace_period_s); exiting "
+                  "without it: it has no manifest, so resume takes the previous complete checkpoint", path,
+                  grace_period_s)
         logging.shutdown()
         os._exit(exit_code)
 

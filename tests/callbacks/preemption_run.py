@@ -11,10 +11,14 @@
                                                # the local S3 server at $LDT_TEST_S3_ENDPOINT, rank 0
                                                # SIGTERMed during step 3, resumed with "auto"; last, a
                                                # run whose rank 1 alone is SIGTERMed during step 5
+                                               # (these agree every step: check_every_n_steps=1)
     python preemption_run.py second DATA OUT   # that run resumed with ckpt_path="last", val_preempted
                                                # with ckpt_path="auto"; no_callback: a run without a
                                                # PreemptionCheckpoint whose rank 1 is SIGTERMed in step
-                                               # 3; then the same run uninterrupted
+                                               # 3; auto_steps / auto_end: check_every_n_steps="auto"
+                                               # (the default), 40 steps with rank 0 SIGTERMed in step
+                                               # 20 / 7 steps with rank 1 SIGTERMed in step 6 (after
+                                               # the last agreement in a step); then the same run uninterrupted
                                                # from scratch (the reference losses), whose rank 1 is
                                                # SIGKILLed while writing its step-8 checkpoint
 
@@ -22,7 +26,8 @@ Every run validates (2 batches) after every second step.
 
 The project's own pieces throughout (NDParallelStrategy with async DCP saves, GPTModule with
 dropout, TokenDataModule; tests/checkpoint/scripts/harness.py). Each rank writes
-``OUT/<run>.rank<R>.json``. The signals are real: ``os.kill`` of this process.
+``OUT/<run>.rank<R>.json``. The signals are real: ``os.kill`` of this process. Every
+``comm.all_reduce`` that the preemption callback issues is counted at the comm seam (``flag_collectives``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from harness import DATA_SEED, MICRO_BATCH, SEQ_LEN, Recorder, build_module  # n
 from s3_server import ENV as S3_ENV  # noqa: E402
 from s3_server import use_endpoint  # noqa: E402
 
+from lightning_disttrain import comm  # noqa: E402
 from lightning_disttrain.callbacks import PreemptionCheckpoint, PreemptionExit  # noqa: E402
 from lightning_disttrain.checkpoint.dcp_io import CheckpointSaveError  # noqa: E402
 from lightning_disttrain.strategies import NDParallelStrategy  # noqa: E402
@@ -58,6 +64,21 @@ STEPS = 8
 S3_BUCKET = "ldt-preemption"  # created by the test, on the local server
 SIGNAL_AT = 5  # rank 1 is signalled during this (1-based) step
 EXIT_CODE = 42
+AUTO_STEPS, AUTO_SIGNAL_AT = 40, 20  # auto_steps: rank 0 is signalled during step 20 of 40
+END_STEPS, END_SIGNAL_AT = 7, 6  # auto_end: rank 1 is signalled during step 6 of 7
+
+_FLAG_COLLECTIVES: list[str] = []  # this run's comm.all_reduce calls from callbacks/preemption.py
+_all_reduce = comm.all_reduce
+
+
+def _counted_all_reduce(*args, **kwargs):
+    """comm.all_reduce, counting the calls made from the preemption callback's module."""
+    if Path(sys._getframe(1).f_code.co_filename).match("callbacks/preemption.py"):
+        _FLAG_COLLECTIVES.append(sys._getframe(1).f_code.co_name)
+    return _all_reduce(*args, **kwargs)
+
+
+comm.all_reduce = _counted_all_reduce  # the callback looks it up on the module at each call
 
 
 class SignalSelf(L.Callback):
@@ -101,21 +122,22 @@ def _data(data: str):  # harness.build_data with a validation set: every run val
 
 
 def _fit(out: Path, run: str, data: str, ckpt_dir: Path, callbacks: list, ckpt_path=None, *, async_save=True,
-         on_save_error="stop", save_top_k=-1) -> dict:
+         on_save_error="stop", save_top_k=-1, steps=STEPS, save_every=2) -> dict:
     L.seed_everything(1234, workers=True)
     rec, val = Recorder(probe_dir=str(ckpt_dir)), ValidationBatches()
-    mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=2, save_top_k=save_top_k)
+    mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{step:03d}", every_n_train_steps=save_every, save_top_k=save_top_k)
     trainer = L.Trainer(strategy=NDParallelStrategy(async_save=async_save, on_save_error=on_save_error), devices=2,
-                        accelerator="cpu", max_steps=STEPS, callbacks=[rec, val, *callbacks, mc], logger=False,
+                        accelerator="cpu", max_steps=steps, callbacks=[rec, val, *callbacks, mc], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         num_sanity_val_steps=0, val_check_interval=2, default_root_dir=str(out))
     global _RECORDER
     _RECORDER, result = rec, {}
+    _FLAG_COLLECTIVES.clear()
     start = time.monotonic()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(build_module(total_steps=STEPS), datamodule=_data(data), ckpt_path=ckpt_path)
+            trainer.fit(build_module(total_steps=steps), datamodule=_data(data), ckpt_path=ckpt_path)
         result["warnings"] = [str(w.message)[:300] for w in caught if "failed" in str(w.message)]
     except PreemptionExit as exc:
         result.update(exit_code=exc.code, path=exc.path, step=exc.step)
@@ -125,17 +147,21 @@ def _fit(out: Path, run: str, data: str, ckpt_dir: Path, callbacks: list, ckpt_p
                       error_after_s=time.monotonic() - start)
         raise
     finally:
-        _write(out, run, trainer.global_rank, result | _recorded(rec, callbacks) | {"val_batches": val.batches})
+        _write(out, run, trainer.global_rank, result | _recorded(rec, trainer) | {"val_batches": val.batches})
     return result
 
 
 _RECORDER: Recorder | None = None
 
 
-def _recorded(rec: Recorder, callbacks: list) -> dict:
-    pre = next((c for c in callbacks if isinstance(c, PreemptionCheckpoint)), None)
+def _recorded(rec: Recorder, trainer) -> dict:
+    # The run's PreemptionCheckpoint: its own, or the one the strategy installs without one.
+    pre = next((c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
     return {"losses": rec.losses, "start_step": rec.start_step, "probes": rec.probes,
-            "agreement_seconds": pre.agreement_seconds if pre else [], "reason": pre.reason if pre else None}
+            "agreement_seconds": pre.agreement_seconds if pre else [], "reason": pre.reason if pre else None,
+            "agreements": [list(a) for a in getattr(pre, "agreements", [])],
+            "check_every_n_steps": pre.check_every_n_steps if pre else None,
+            "grace_period_s": pre.grace_period_s if pre else None, "flag_collectives": len(_FLAG_COLLECTIVES)}
 
 
 def _write(out: Path, run: str, rank: int, data: dict) -> None:
@@ -148,8 +174,9 @@ def first(data: str, out: Path) -> None:
     # SIGTERM on rank 0 only, in the validation after step 4 (at its first batch's start): the ranks
     # agree at the end of that batch, save step 4 and exit; the validation's second batch never runs.
     try:
-        _fit(out, "val_preempted", data, out / "val_ckpt", [PreemptionCheckpoint(exit_code=EXIT_CODE),
-             SignalInValidation(rank=0, after=4, signum=signal.SIGTERM)])
+        _fit(out, "val_preempted", data, out / "val_ckpt",
+             [PreemptionCheckpoint(exit_code=EXIT_CODE, check_every_n_steps=1),
+              SignalInValidation(rank=0, after=4, signum=signal.SIGTERM)])
     except PreemptionExit:
         pass  # both ranks; the next runs use the same processes
     # Rank 1's disk fills up during the step-4 checkpoint; save_top_k=1 would then delete step 2.
@@ -166,7 +193,8 @@ def first(data: str, out: Path) -> None:
         # it before rank 0's SIGTERM in step 5: the preemption's wait for the save in flight raises.
         try:
             _fit(out, "inflight_failed", data, out / "inflight_ckpt",
-                 [PreemptionCheckpoint(exit_code=EXIT_CODE), SignalSelf(rank=0, at=5, signum=signal.SIGTERM)])
+                 [PreemptionCheckpoint(exit_code=EXIT_CODE, check_every_n_steps=1),
+                  SignalSelf(rank=0, at=5, signum=signal.SIGTERM)])
         except (PreemptionExit, CheckpointSaveError):
             pass  # recorded in inflight_failed.rank*.json
     finally:
@@ -177,14 +205,14 @@ def first(data: str, out: Path) -> None:
     use_endpoint(os.environ[S3_ENV])
     url = f"s3://{S3_BUCKET}/run/checkpoints"
     try:
-        _fit(out, "s3_preempted", data, url, [PreemptionCheckpoint(exit_code=EXIT_CODE),
+        _fit(out, "s3_preempted", data, url, [PreemptionCheckpoint(exit_code=EXIT_CODE, check_every_n_steps=1),
                                               SignalSelf(rank=0, at=3, signum=signal.SIGTERM)])
     except PreemptionExit:
         pass
     _fit(out, "s3_resumed", data, url, [PreemptionCheckpoint()], ckpt_path="auto")
     # SIGTERM on rank 1 only, during step 5; every rank must save step 5 and exit with EXIT_CODE.
-    _fit(out, "preempted", data, out / "pre_ckpt",
-         [PreemptionCheckpoint(exit_code=EXIT_CODE), SignalSelf(rank=1, at=SIGNAL_AT, signum=signal.SIGTERM)])
+    _fit(out, "preempted", data, out / "pre_ckpt", [PreemptionCheckpoint(exit_code=EXIT_CODE, check_every_n_steps=1),
+                                                    SignalSelf(rank=1, at=SIGNAL_AT, signum=signal.SIGTERM)])
 
 
 def second(data: str, out: Path) -> None:
@@ -197,6 +225,15 @@ def second(data: str, out: Path) -> None:
         _fit(out, "no_callback", data, out / "nocb_ckpt", [SignalSelf(rank=1, at=3, signum=signal.SIGTERM)])
     except PreemptionExit:
         pass
+    # check_every_n_steps="auto" (the default): a few agreements over many steps; a signal is agreed
+    # on at the next one, mid-run (auto_steps) or at the end of training (auto_end), and saved.
+    for run, steps, rank, at in (("auto_steps", AUTO_STEPS, 0, AUTO_SIGNAL_AT),
+                                 ("auto_end", END_STEPS, 1, END_SIGNAL_AT)):
+        try:
+            _fit(out, run, data, out / f"{run}_ckpt", [PreemptionCheckpoint(exit_code=EXIT_CODE),
+                 SignalSelf(rank=rank, at=at, signum=signal.SIGTERM)], steps=steps, save_every=10)
+        except PreemptionExit:
+            pass
     _kill_rank1_during_write_of(out, "step=008")
     _fit(out, "reference", data, out / "kill_ckpt", [PreemptionCheckpoint()])
 

@@ -10,7 +10,9 @@ Two launches of 2 gloo ranks (tests/callbacks/preemption_run.py) carry the multi
   during step 5;
 - "second": that run resumed with ckpt_path="last" (no save_last); the validation run resumed with
   ckpt_path="auto"; a run without any PreemptionCheckpoint whose rank 1 gets SIGTERM in step 3;
-  then the same run from scratch, uninterrupted
+  two runs with check_every_n_steps="auto" (the default; the runs above that assert the exact
+  step of a save pass 1): 40 steps with a SIGTERM to rank 0 in step 20, 7 steps with one to rank
+  1 in step 6; then the same run from scratch, uninterrupted
   (the reference losses) until rank 1 is SIGKILLed while its step-8 checkpoint is being written
   (async save in flight).
 The rest runs in this process (one device, Lightning's own strategy) or needs no Trainer.
@@ -36,6 +38,12 @@ from lightning_disttrain.callbacks import (
     GCPPreemptionNotice,
     PreemptionCheckpoint,
     PreemptionExit,
+)
+from lightning_disttrain.callbacks.preemption import (
+    AGREEMENT_SHARE,
+    MAX_INTERVAL,
+    Agreement,
+    agreement_interval,
 )
 from lightning_disttrain.callbacks.preemption_notices import NoticePoller
 from lightning_disttrain.checkpoint import (
@@ -112,9 +120,78 @@ def test_without_the_callback_a_sigterm_on_one_rank_stops_every_rank_instead_of_
     _, _, output = launches["second"]
     ranks = _ranks(launches["out"], "no_callback")
     assert [r["exit_code"] for r in ranks] == [143, 143], [r.get("error") for r in ranks]
-    assert [r["step"] for r in ranks] == [3, 3] and [r["path"] for r in ranks] == [None, None]
+    # The strategy's callback agrees "auto": it stopped at the first agreement after the signal
+    # (in step 3), within the interval the formula set; none of its agreements before saw a signal.
+    stop = _first_stop(ranks, signalled_in_step=3)
+    assert [r["step"] for r in ranks] == [stop.step] * 2 and [r["path"] for r in ranks] == [None, None]
+    assert ranks[0]["check_every_n_steps"] == "auto"
     assert "this run has no PreemptionCheckpoint, so nothing was saved" in output
     assert "--trainer.callbacks+=lightning_disttrain.callbacks.PreemptionCheckpoint" in output
+
+
+def _agreements(ranks: list[dict]) -> list[Agreement]:
+    """The agreements of a run, checked identical on both ranks and counted at the comm seam: one
+    comm.all_reduce from the callback per agreement, none between."""
+    agreements = [[Agreement(*a) for a in r["agreements"]] for r in ranks]
+    assert agreements[0] == agreements[1]  # same boundaries, steps, pace (all-reduced), intervals, flags
+    assert [r["flag_collectives"] for r in ranks] == [len(agreements[0])] * 2
+    return agreements[0]
+
+
+def _replayed(ranks: list[dict], ended_at_boundary: int | None = None) -> list[Agreement]:
+    """The "auto" schedule replayed with the formula: the first agreement at boundary 1, each next
+    one ``interval`` boundaries after the previous, each interval ``agreement_interval`` of the pace
+    all-reduced at that agreement (so ``interval * pace <= AGREEMENT_SHARE * grace`` unless 1); the
+    last may be the end of training (``ended_at_boundary``) or the stop."""
+    agreements, grace = _agreements(ranks), ranks[0]["grace_period_s"]
+    assert agreements and agreements[0].boundary == 1
+    previous = 1
+    for a, b in zip(agreements, agreements[1:]):
+        assert a.interval == agreement_interval(a.seconds_per_boundary, grace, previous)
+        assert a.interval == 1 or a.interval * a.seconds_per_boundary <= AGREEMENT_SHARE * grace
+        assert b.boundary - a.boundary == a.interval or b.boundary == ended_at_boundary, (a, b)
+        previous = a.interval
+    return agreements
+
+
+def _first_stop(ranks: list[dict], signalled_in_step: int, ended_at_boundary: int | None = None) -> Agreement:
+    """The agreement that stopped the run: the last one, the first to see the signal, at a step at or
+    after the signalled one; every agreement before it ran before the signal (its flag was clear)."""
+    agreements = _replayed(ranks, ended_at_boundary)
+    *before, stop = agreements
+    assert stop.stop and not any(a.stop for a in before), agreements
+    assert stop.step >= signalled_in_step and all(a.step < signalled_in_step for a in before)
+    return stop
+
+
+@pytest.mark.slow
+def test_auto_agrees_a_few_times_at_the_same_boundaries_on_every_rank_and_saves_at_the_next(launches):
+    # Before: one world-wide all-reduce per optimizer step and per validation batch (4 per 2 steps here).
+    rc, _, output = launches["second"]
+    ranks = _ranks(launches["out"], "auto_steps")
+    assert [r["exit_code"] for r in ranks] == [EXIT_CODE, EXIT_CODE], [r.get("error") for r in ranks]
+    assert ranks[0]["check_every_n_steps"] == "auto" and ranks[0]["reason"] == "received SIGTERM"
+    stop = _first_stop(ranks, signalled_in_step=20)
+    # Every optimizer step and validation batch is a boundary; the callback's collectives are a
+    # small fraction of them (the intervals double from 1 while the pace allows: 2, 4, 8, ...).
+    assert stop.boundary >= 38 and 4 * ranks[0]["flag_collectives"] <= stop.boundary, _agreements(ranks)
+    # The save: the agreed step on every rank, complete (manifest), the exit code on both.
+    assert [r["step"] for r in ranks] == [stop.step] * 2 and ranks[0]["path"] == ranks[1]["path"]
+    assert verify_checkpoint(Path(ranks[0]["path"])).global_step == stop.step
+    assert [len(r["losses"]) for r in ranks] == [stop.step] * 2  # trained up to the save, no further
+
+
+@pytest.mark.slow
+def test_auto_a_signal_after_the_last_agreement_is_saved_at_the_end_of_training(launches):
+    ranks = _ranks(launches["out"], "auto_end")
+    assert [r["exit_code"] for r in ranks] == [EXIT_CODE, EXIT_CODE], [r.get("error") for r in ranks]
+    # 7 steps, validation (2 batches) after every second: step 7 is boundary 13; the agreements at
+    # boundaries 1, 3, 7 (intervals 2, 4, 8 while the pace allows), then 15 > 13, so the signal in
+    # step 6 (boundary 10) is agreed on in on_train_end, at boundary 13, unless the pace made an
+    # interval end earlier.
+    stop = _first_stop(ranks, signalled_in_step=6, ended_at_boundary=13)
+    assert [r["step"] for r in ranks] == [stop.step] * 2 and stop.step <= 7
+    assert verify_checkpoint(Path(ranks[0]["path"])).global_step == stop.step
 
 
 @pytest.mark.slow
@@ -430,9 +507,36 @@ def test_check_every_n_steps_defers_the_save_to_a_checking_step(tmp_path):
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_agreement_interval_fits_a_share_of_the_grace_period_and_at_most_doubles():
+    assert AGREEMENT_SHARE == 0.25 and MAX_INTERVAL == 1000
+    # 20 s of grace: 5 s of boundaries between agreements.
+    assert agreement_interval(0.1, 20.0, previous=1000) == 50  # 50 x 0.1 s = 5 s
+    assert agreement_interval(0.1, 20.0, previous=8) == 16  # at most twice the previous interval
+    assert agreement_interval(0.3, 20.0, previous=100) == 16  # floor(5 / 0.3): never over the budget
+    assert agreement_interval(6.0, 20.0, previous=4) == 1  # a boundary longer than the budget: every one
+    assert agreement_interval(0.001, 110.0, previous=800) == MAX_INTERVAL  # capped
+    assert agreement_interval(0.0, 20.0, previous=3) == 6  # a clock that did not move: as fast as allowed
+    assert agreement_interval(float("nan"), 20.0, previous=64) == 1  # unknown pace: agree at the next
+    assert agreement_interval(float("inf"), 20.0, previous=64) == 1
+    # The ramp from the first agreement at a steady 10 ms per boundary: 1, 2, 4, ... up to 500.
+    intervals, n = [], 1
+    for _ in range(10):
+        n = agreement_interval(0.01, 20.0, previous=n)
+        intervals.append(n)
+    assert intervals == [2, 4, 8, 16, 32, 64, 128, 256, 500, 500]
+
+
+def test_explicit_check_every_one_step_and_auto_are_accepted():
+    assert PreemptionCheckpoint().check_every_n_steps == "auto"
+    assert PreemptionCheckpoint(check_every_n_steps=1).check_every_n_steps == 1
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(signals=("SIGTERM", "SIGBOGUS")), "unknown.*SIGBOGUS"),
-    (dict(check_every_n_steps=0), "check_every_n_steps=0"),
+    (dict(check_every_n_steps=0), "check_every_n_steps=0.*'auto'"),
+    (dict(check_every_n_steps="often"), "check_every_n_steps='often'.*'auto'.*k >= 1"),
+    (dict(check_every_n_steps=2.5), "check_every_n_steps=2.5.*whole number"),
+    (dict(check_every_n_steps=True), "check_every_n_steps=True"),
     (dict(grace_period_s=0), "grace_period_s=0.*e.g. 20"),
     (dict(grace_period_s=float("nan")), "grace_period_s=nan"),
     (dict(grace_period_s="soon"), "grace_period_s='soon'.*'auto'"),
