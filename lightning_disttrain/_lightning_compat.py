@@ -226,6 +226,20 @@ def loggers_write_step(trainer: Any, steps_done: int) -> bool:
     return bool(trainer.fast_dev_run) or (every > 0 and (steps_done % every == 0 or bool(trainer.should_stop)))
 
 
+def drop_logged_values(trainer: Any, hook: str, names: list[str]) -> None:
+    """Take the values ``self.log(name, ...)`` recorded in ``hook`` out of the running loop's
+    result collection (``trainer._results``, keyed ``"{hook}.{name}"``), as Lightning's own reset
+    at an epoch's start does (``_ResultMetric.reset``). Lightning keeps a logged value there until
+    the epoch ends and, at every batch's end and every progress-bar refresh, turns each
+    ``prog_bar`` one into a number with ``.item()``: one host sync per step for a value logged
+    once in a while. The bar keeps showing the number it last read."""
+    results = _require(trainer, "_results", "the running loop's logged values")
+    for name in names if results is not None else ():
+        value = results.get(f"{hook}.{name}")
+        if value is not None and not _require(value, "has_reset", "whether a logged value was reset"):
+            value.reset()
+
+
 # -- the fit loop's position (fault tolerance) ---------------------------------------------------
 
 
@@ -325,6 +339,8 @@ PRIVATES: tuple[tuple[str, str | None], ...] = (
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_every_n_train_steps"),
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_last_checkpoint_saved"),
     ("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop", "_batches_that_stepped"),
+    ("lightning.pytorch.trainer.trainer.Trainer", "_results"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.result._ResultMetric", "has_reset"),
     ("jsonargparse.ArgumentParser", "_actions"),
     ("jsonargparse.ArgumentParser", "_instantiators"),
 )

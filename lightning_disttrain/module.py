@@ -75,6 +75,19 @@ class GPTModule(L.LightningModule):
             ``init_std``. The weights replace the random initialisation under every strategy, also
             on the meta device (each rank then reads only its shards). Loading a checkpoint of such a
             run needs no Hugging Face files: ``load_from_checkpoint(path, init_from=None)``.
+
+    Logging: ``train/loss``, the mean over the data-parallel ranks, is logged every step (in
+    ``trainer.callback_metrics`` every step; under this package's strategies the mean is one
+    all-reduce on the device, nothing waits for it) and goes to the loggers every
+    ``log_every_n_steps``. The progress bar shows it, with ``tok/s``, from those logging steps
+    only: Lightning turns each progress-bar value into a number with ``.item()`` at every batch's
+    end, a host sync that would keep rank 0 from running ahead of the accelerator and make the
+    other ranks wait for it at the next collective. The values the loggers alone read (tokens,
+    learning rates, MoE numbers) are logged at those steps only too, and all of them leave
+    Lightning's result collection when the next batch starts (it would read the bar's again at
+    every step otherwise), so a step that does not log reads nothing on the host
+    (``tests/test_host_syncs.py``). Lightning's own strategies' reduce starts with a barrier that
+    blocks the host under NCCL: under those, ``sync_dist`` costs a sync a step.
     """
 
     layout_independent_init = True
@@ -137,6 +150,7 @@ class GPTModule(L.LightningModule):
         self._step_lrs: dict[str, float] = {}
         self._aux_to_log: torch.Tensor | None = None
         self._steps_before_batch: int | None = None
+        self._step_value_names: list[str] = []  # what _log_step logged at the last logging step
 
     # ---- model construction -------------------------------------------------------------
 
@@ -254,12 +268,12 @@ class GPTModule(L.LightningModule):
         for i, layer in moe_layers(self.model).items():
             for name in ("balance_loss", "z_loss", "dropped_tokens"):
                 if getattr(layer, name) is not None:
-                    self.log(f"moe/layer{i}/{name}", getattr(layer, name).float(), on_step=True, on_epoch=False)
+                    self._log_step(f"moe/layer{i}/{name}", getattr(layer, name).float())
             metrics = layer.metrics()
-            self.log(f"moe/layer{i}/max_load_ratio", metrics["max_load_ratio"], on_step=True, on_epoch=False)
-            self.log(f"moe/layer{i}/bias_norm", metrics["bias_norm"], on_step=True, on_epoch=False)
+            self._log_step(f"moe/layer{i}/max_load_ratio", metrics["max_load_ratio"])
+            self._log_step(f"moe/layer{i}/bias_norm", metrics["bias_norm"])
         if self._aux_to_log is not None:
-            self.log("train/moe_aux_loss", self._aux_to_log, on_step=True, on_epoch=False)
+            self._log_step("train/moe_aux_loss", self._aux_to_log)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
@@ -310,12 +324,16 @@ class GPTModule(L.LightningModule):
         # x is this rank's shard of the batch: context parallel ranks hold 1/cp of each sequence
         cp = int(getattr(self.trainer.strategy, "context_parallel_size", 1))
         self.tokens_seen += x.numel() * self._data_parallel_size() * cp
-        # The mean over the ranks (one all-reduce a step); a one-process run has nothing to average.
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=self.trainer.world_size > 1)
+        # The mean over the ranks (one all-reduce a step, on the device: the strategies' reduce);
+        # a one-process run has nothing to average. Not in the progress bar (see the class doc).
+        self.log("train/loss", loss, on_step=True, on_epoch=False, sync_dist=self.trainer.world_size > 1)
         return loss
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self._steps_before_batch = self.trainer.global_step
+        if self._step_value_names:  # the last logging step's values: the loggers have them now
+            compat.drop_logged_values(self.trainer, "on_train_batch_end", self._step_value_names)
+            self._step_value_names = []
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         # Tokens/s over the last batch for the progress bar; MFUMonitor does the careful version.
@@ -340,17 +358,27 @@ class GPTModule(L.LightningModule):
         return compat.loggers_write_step(trainer, trainer.global_step)
 
     def _log_step_values(self) -> None:
-        """The values only the loggers (and ``tok/s`` in the progress bar) read, at the steps they
-        read them: each ``self.log`` call costs Lightning's result collection host time every step
-        it is made, whatever the logging cadence (docs/benchmarks.md, section 18). The loss is
-        logged every step, in ``training_step``."""
-        self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
+        """The values only the loggers and the progress bar read, at the steps the loggers read
+        them: each ``self.log`` call costs Lightning's result collection host time every step it
+        is made, whatever the logging cadence (docs/benchmarks.md, section 18), and each value in
+        the bar a host read per step (see the class doc). The loss for the loggers is logged
+        every step, in ``training_step``; the bar shows the same number, this step's."""
+        loss = self.trainer.callback_metrics.get("train/loss")  # training_step's, averaged over the ranks
+        if loss is not None:
+            self._log_step("train/loss", loss, prog_bar=True, logger=False)
+        self._log_step("train/tokens", float(self.tokens_seen))
         for name, lr in self._step_lrs.items():  # the rates this step used (the schedulers have moved on)
-            self.log(name, lr, on_step=True, on_epoch=False)
+            self._log_step(name, lr)
         if self._tok_per_s is not None:
-            self.log("tok/s", self._tok_per_s, prog_bar=True, on_step=True, on_epoch=False, logger=False)
+            self._log_step("tok/s", self._tok_per_s, prog_bar=True, logger=False)
         if self.config.moe_num_experts:
             self._log_moe_layers()
+
+    def _log_step(self, name: str, value, prog_bar: bool = False, logger: bool = True) -> None:
+        """``self.log`` of a value of this step only, dropped from Lightning's result collection
+        when the next batch starts (``on_train_batch_start``), once the loggers and the bar have it."""
+        self.log(name, value, prog_bar=prog_bar, logger=logger, on_step=True, on_epoch=False)
+        self._step_value_names.append(name)
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None

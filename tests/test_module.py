@@ -67,9 +67,10 @@ def test_training_decreases_loss_and_logs(tmp_path, optimizer, steps):
 
 @pytest.mark.parametrize("moe", [False, True])
 def test_loggers_only_values_are_logged_at_the_logging_cadence(tmp_path, moe):
-    """The loss every step (progress bar); tokens, learning rate, tok/s and the MoE numbers only at
-    the steps whose metrics Lightning hands to the loggers, where the CSV rows are exactly as
-    before: each self.log call costs Lightning's result collection host time every step."""
+    """The loss every step (trainer.callback_metrics); tokens, learning rate, tok/s, the progress
+    bar's loss and the MoE numbers only at the steps whose metrics Lightning hands to the loggers,
+    where the CSV rows are exactly as before: each self.log call costs Lightning's result
+    collection host time every step."""
     import csv
 
     train, _ = _loaders()
@@ -107,6 +108,33 @@ def test_loggers_only_values_are_logged_at_the_logging_cadence(tmp_path, moe):
     assert all(r["train/lr"] and r["train/loss"] for r in rows)
     if moe:
         assert all(r["moe/layer1/max_load_ratio"] and r["train/moe_aux_loss"] for r in rows)
+
+
+def test_the_progress_bar_shows_the_loss_of_the_last_logging_step(tmp_path):
+    """Lightning reads every progress-bar value on the host at every batch's end: the bar gets the
+    loss at the logging steps only (the loggers' value, the CSV row's) and keeps it in between."""
+    import csv
+
+    train, _ = _loaders()
+    module = GPTModule("tiny", vocab_size=257, lr=1e-3)
+    trainer = _trainer(tmp_path, max_steps=8, log_every_n_steps=3, limit_val_batches=0)
+    shown, losses = [], []
+
+    class Watch(L.Callback):  # at each step's end, before the module logs this step's values
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            shown.append(trainer.progress_bar_metrics.get("train/loss"))
+            losses.append(trainer.callback_metrics["train/loss"].item())
+
+    trainer.callbacks.append(Watch())
+    trainer.fit(module, train)
+    with open(next(Path(tmp_path).rglob("metrics.csv"))) as f:
+        rows = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+    assert sorted(rows) == [2, 5]  # steps 3 and 6
+    assert rows[2] == pytest.approx(losses[2]) and rows[5] == pytest.approx(losses[5])
+    assert shown[:3] == [None] * 3
+    assert shown[3:6] == [pytest.approx(rows[2])] * 3 and shown[6:] == [pytest.approx(rows[5])] * 2
+    assert trainer.progress_bar_metrics["train/loss"] == pytest.approx(rows[5])
+    assert len(set(losses)) == 8  # callback_metrics: every step's loss
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])

@@ -134,13 +134,15 @@ def grouped_mm_supported(*tensors: torch.Tensor) -> bool:
     return all(x.dtype == t.dtype and (x.size(-1) * x.element_size()) % 16 == 0 for x in tensors)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """Rows of ``x`` (N, in), sorted by expert, ``counts[e]`` rows for expert ``e``, times that
-    expert's ``weight[e]`` (num_experts, out, in) transposed, like ``nn.Linear``: (N, out)."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor | list[int],
+                   grouped: bool) -> torch.Tensor:
+    """Rows of ``x`` (N, in), sorted by expert, times each expert's ``weight[e]`` (num_experts, out,
+    in) transposed, like ``nn.Linear``: (N, out). ``groups`` says which rows are whose: for the
+    grouped GEMM the end row of each expert's rows (int32, on the device), for the loop over
+    experts their row counts on the host."""
     if grouped:
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # end row of each expert's group
-        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
-    parts = x.split(counts.tolist())
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=groups)
+    parts = x.split(groups)
     return torch.cat([part @ weight[e].T for e, part in enumerate(parts)])
 
 
@@ -168,17 +170,23 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim)) if activation == "swiglu" else None
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x`` (N, dim) sorted by expert with ``counts`` (num_experts,) rows each → (N, dim)."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
+        """``x`` (N, dim) sorted by expert with ``counts`` (num_experts,) rows each → (N, dim).
+        ``host_counts``: ``counts`` already on the host, where the caller has them (expert
+        parallel), for the loop over experts."""
         # Under expert parallel the weights are DTensors sharded over experts: compute on this
         # rank's experts (``counts`` then holds only theirs; see ``parallel.expert``).
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         grouped = self.use_grouped_mm
         if grouped is None:
             grouped = grouped_mm_supported(x, w1, w2)
-        h = grouped_linear(x, w1, counts, grouped)
-        gate = grouped_linear(x, w3, counts, grouped) if w3 is not None else None
-        return grouped_linear(_activate(self.activation, h, gate), w2, counts, grouped)
+        if grouped:  # nothing read on the host
+            groups = torch.cumsum(counts, dim=0, dtype=torch.int32)  # end row of each expert's group
+        else:  # the loop's split sizes: at most one host read (a sync) for the three projections
+            groups = host_counts if host_counts is not None else counts.tolist()
+        h = grouped_linear(x, w1, groups, grouped)
+        gate = grouped_linear(x, w3, groups, grouped) if w3 is not None else None
+        return grouped_linear(_activate(self.activation, h, gate), w2, groups, grouped)
 
 
 def _local(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -374,7 +382,9 @@ def update_moe_biases(layers: Iterable[MoE], group: dist.ProcessGroup | None = N
         layer.step_load = load
         layer._pending_load = None
         speed = layer.config.bias_update_speed
-        if speed > 0 and load.sum() > 0:
+        # No "was anything routed?" test: it would read the load on the host (a sync), and an
+        # all-zero load moves nothing anyway (sign(0) = 0).
+        if speed > 0:
             step = speed * torch.sign(load.mean() - load)
             layer.expert_bias.copy_((layer.expert_bias.float() + step).to(layer.expert_bias.dtype))
 

@@ -13,7 +13,8 @@ The dispatch, per MoE layer and micro-batch (replacing ``moe.local_dispatch``):
 1. routing and the sort by expert happen locally, as without EP: assignments are ordered by
    expert, hence by the rank that holds the expert;
 2. one all-to-all of the per-expert counts tells every rank how many rows it will receive from
-   each peer for each of its experts (the split sizes must be known on the host: one sync);
+   each peer for each of its experts (the split sizes must be known on the host: one copy of
+   all the layer's sizes, its one sync);
 3. all-to-all of the token rows; the received rows (grouped by source rank, then expert) are
    regrouped by expert, the local experts run as one grouped GEMM, the rows go back to source
    order and return by the reverse all-to-all;
@@ -81,13 +82,17 @@ def ep_dispatch(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, cou
     rows = x[token]  # sorted by expert, so by destination rank
     # received[r, e]: rows rank r sends to this rank's local expert e
     received = comm.all_to_all_single(counts, None, None, mesh).view(ep, local)
-    send_splits = counts.view(ep, local).sum(1).tolist()
-    recv_splits = received.sum(1).tolist()
+    # Every size the host needs, in one copy (the layer's one sync): the rows sent to and received
+    # from each rank (the all-to-all's splits) and the rows of each local expert (its loop).
+    sizes = torch.cat([counts.view(ep, local).sum(1), received.sum(1), received.sum(0)]).tolist()
+    send_splits, recv_splits, expert_rows = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
     got = comm.all_to_all_single(rows, recv_splits, send_splits, mesh)
-    # regroup (source rank, expert) -> (expert, source rank) for one grouped GEMM over local experts
-    segment = torch.repeat_interleave(torch.arange(ep * local, device=got.device), received.reshape(-1))
+    # regroup (source rank, expert) -> (expert, source rank) for one grouped GEMM over local experts;
+    # with its output size known, repeat_interleave needs no sync of its own
+    segment = torch.repeat_interleave(torch.arange(ep * local, device=got.device), received.reshape(-1),
+                                      output_size=sum(recv_splits))
     by_expert = torch.argsort((segment % local) * ep + segment // local, stable=True)
-    out = experts(got[by_expert], received.sum(0))
+    out = experts(got[by_expert], received.sum(0), expert_rows)
     back = torch.empty_like(by_expert)
     back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
     returned = comm.all_to_all_single(out[back], send_splits, recv_splits, mesh)
