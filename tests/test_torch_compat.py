@@ -284,9 +284,13 @@ def test_compilation_metrics_and_micro_pipeline_tp(monkeypatch):
     import torch._inductor.config as inductor_config
 
     assert isinstance(compat.compilation_metrics(), list)
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)  # restored after the test
-    compat.enable_micro_pipeline_tp()
-    assert inductor_config._micro_pipeline_tp is True
+    # The config module's own patch() restores it: pytest >= 9.2's monkeypatch.setattr records no
+    # old value for a config default (it is not in the module's __dict__) and its undo *deletes*
+    # it, which hid the option from every later test.
+    with inductor_config.patch(_micro_pipeline_tp=False):
+        compat.enable_micro_pipeline_tp()
+        assert inductor_config._micro_pipeline_tp is True
+    assert inductor_config._micro_pipeline_tp is False
 
 
 @pytest.mark.parametrize("version, called", [("2.12.1", True), ("2.13.0", False), ("2.14.0", False)])
@@ -442,7 +446,12 @@ def test_parallel_style_without_apply_fails_loudly(monkeypatch):
 def test_micro_pipeline_tp_gone_fails_loudly(monkeypatch):
     import torch._inductor.config as inductor_config
 
-    monkeypatch.delattr(inductor_config, "_micro_pipeline_tp")
-    with gone("torch._inductor.config._micro_pipeline_tp"):
-        compat.enable_micro_pipeline_tp()
-    assert not hasattr(inductor_config, "_micro_pipeline_tp")  # not set after all
+    # Hidden inside the config module's patch(), which brings it back: a config default is served
+    # by the module's __getattr__, so monkeypatch.delattr (no __dict__ entry) refused it when no
+    # earlier test had set it, and restored nothing when one had.
+    with inductor_config.patch(_micro_pipeline_tp=False):
+        delattr(inductor_config, "_micro_pipeline_tp")
+        with gone("torch._inductor.config._micro_pipeline_tp"):
+            compat.enable_micro_pipeline_tp()
+        assert not hasattr(inductor_config, "_micro_pipeline_tp")  # not set after all
+    assert inductor_config._micro_pipeline_tp is False
