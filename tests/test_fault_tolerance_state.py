@@ -70,3 +70,22 @@ def test_the_parts_of_a_hybrid_optimizer_land_on_this_ranks_mesh(mesh):
     assert moved["optimizers"][1]["state"][0]["momentum_buffer"].device_mesh is b.weight.device_mesh
     hybrid.load_state_dict(moved)
     hybrid.step()
+
+
+def test_a_heal_waits_for_the_captured_steps_device_work_before_serving_it():
+    # torchft copies the captured tensors on a stream of its own: on a GPU the last optimizer
+    # step's kernels may still be queued at capture, so _ft_state waits for the event recorded
+    # there. On the host the work is done when it returns: no marker.
+    from lightning_disttrain.strategies.fault_tolerant_steps import FaultTolerantStepMixin, work_done_marker
+
+    assert work_done_marker(torch.device("cpu")) is None
+
+    class Event:  # stands in for the CUDA event (no GPU here): records whether it was waited on
+        waited = False
+
+        def synchronize(self):
+            self.waited = True
+
+    strategy = FaultTolerantStepMixin()
+    strategy._ft_capture, strategy._ft_capture_ready = {"model": {}}, Event()
+    assert strategy._ft_state() == {"model": {}} and strategy._ft_capture_ready.waited

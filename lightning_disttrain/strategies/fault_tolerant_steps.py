@@ -43,6 +43,17 @@ from lightning_disttrain import comm
 from lightning_disttrain.fault_tolerance.settings import FaultTolerance
 
 
+
+def work_done_marker(device: torch.device) -> Any:
+    """A CUDA event recorded in ``device``'s current stream (``synchronize()`` waits until the work
+    enqueued before it has run), or None where the host runs the work itself (CPU: done already)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class FaultTolerantStepMixin:
     """Mixed into ``NDParallelStrategy`` before the other step mixins. Inactive (every method
     passes through) unless ``fault_tolerance`` is set. Reads ``parallel_dims``, ``optimizers``,
@@ -51,6 +62,7 @@ class FaultTolerantStepMixin:
     fault_tolerance: Optional[FaultTolerance] = None
     _replicas = None
     _ft_capture: Optional[dict[str, Any]] = None
+    _ft_capture_ready: Any = None
     _ft_step_open: bool = False
     _ft_stop_step: Optional[int] = None
     _ft_last_participants: Optional[int] = None
@@ -154,6 +166,10 @@ class FaultTolerantStepMixin:
         # Captured before the quorum starts: torchft's thread may hand it to a joining group at
         # once. Tensors by reference: the optimizer changes them only after the commit, and torchft
         # blocks the commit while a transfer is being served.
+        # On a GPU the previous step's optimizer kernels may still be queued: torchft copies the
+        # tensors on a stream of its own, so a heal waits for this event (all work enqueued up to
+        # here, the last optimizer step included) before serving them (_ft_state).
+        self._ft_capture_ready = work_done_marker(self.root_device)
         self._ft_capture = {
             "model": self.lightning_module.state_dict(),
             "optimizer": self.optimizers[0].state_dict(),
@@ -270,6 +286,8 @@ class FaultTolerantStepMixin:
         """What a joining group copies (torchft's quorum thread calls it on the source group)."""
         if self._ft_capture is None:
             raise RuntimeError("fault tolerance: asked for this replica group's state before its first step")
+        if self._ft_capture_ready is not None:
+            self._ft_capture_ready.synchronize()  # the captured tensors hold the last step's values
         return self._ft_capture
 
     def _ft_heal(self, state: dict[str, Any]) -> None:
