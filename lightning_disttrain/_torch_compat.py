@@ -282,6 +282,21 @@ PRIVATES: tuple[Private, ...] = (
             "HSDP's (replicate, shard) and expert parallel's (efsdp, ep) views of the same ranks, rooted at the world",
             "none in torch 2.13",
             lambda: _resolve("torch.distributed.device_mesh", "DeviceMesh._unflatten")),
+    Private("torch.distributed.device_mesh:DeviceMesh._concatenate",
+            "one mesh over dimensions of other meshes, rooted at their world mesh, using their process groups "
+            "(HSDP x CP's (replicate, shard) mesh; the named views of ParallelDims(aliases=...)): no new group",
+            "none in torch 2.13",
+            lambda: _resolve("torch.distributed.device_mesh", "DeviceMesh._concatenate")),
+    Private("torch.distributed.tensor.debug:_clear_sharding_prop_cache",
+            "DTensor's sharding-propagation caches, Python's and the C++ fast path's (keyed by specs that "
+            "hold meshes), are cleared when a layout's process groups are destroyed: a later, equal mesh "
+            "would be served the old mesh (\"Could not resolve the process group registered under the name N\")",
+            "none in torch 2.13",
+            lambda: _resolve("torch.distributed.tensor.debug", "_clear_sharding_prop_cache")),
+    Private("torch.distributed.tensor._redistribute:_gen_transform_infos",
+            "the redistribution plans cached per (mesh, placements): cleared with the groups, as above",
+            "none in torch 2.13",
+            lambda: _resolve("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear")),
     # -- collectives --
     Private("torch.distributed._functional_collectives",
             "collectives autograd flows through (all_to_all_single for experts, all_gather for context parallel)",
@@ -501,6 +516,37 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
 def unflatten_mesh(mesh: Any, dim: int | str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
     """``mesh``'s dimension ``dim`` split into ``sizes`` named ``names``, rooted at the same world mesh."""
     return _attr(mesh, "_unflatten", "torch.distributed.device_mesh:DeviceMesh._unflatten")(dim, sizes, names)
+
+
+def concatenate_meshes(meshes: list[Any]) -> Any:
+    """The meshes' dimensions side by side as one mesh over their existing process groups, rooted at
+    their (common) world mesh."""
+    return _get("torch.distributed.device_mesh:DeviceMesh._concatenate")(meshes)
+
+
+def alias_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D view of the 1-D ``mesh`` named ``name``, over ``mesh``'s own process group, registered on
+    the world mesh so that ``world[name]`` finds it (what ``_flatten`` registers, without the new
+    group ``_flatten`` would make for the same ranks)."""
+    key = "torch.distributed.device_mesh:DeviceMesh._concatenate"
+    view = concatenate_meshes([mesh])
+    root = _attr(view, "_get_root_mesh", key)()
+    mapping = _attr(root, "_flatten_mapping", key)
+    _attr(view, "_mesh_dim_names", key)
+    view._mesh_dim_names = (name,)
+    if name in mapping and mapping[name] is not view:
+        raise ValueError(f"the world mesh has a dimension named {name!r} already")
+    mapping[name] = view
+    return view
+
+
+def clear_mesh_caches() -> None:
+    """Empty torch's caches whose keys or values hold device meshes: DTensor's sharding propagation
+    (Python's, this thread's, and the C++ fast path's) and the redistribution plans. A mesh equals any other
+    over the same layout and names, whatever its process groups, so after a layout's groups are
+    destroyed a later mesh of that layout would be handed entries holding the destroyed one."""
+    _get("torch.distributed.tensor.debug:_clear_sharding_prop_cache")()  # this thread's, and C++'s
+    _get("torch.distributed.tensor._redistribute:_gen_transform_infos")()
 
 
 # -- collectives and gradients ----------------------------------------------------------------

@@ -64,20 +64,37 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return backend_device(dist.get_backend(group))
 
 
-_HOST_GROUP: list = []  # [(the default group it was made for, the host group or None)]
+_SIDE_GROUPS: dict = {}  # purpose -> (the default group it was made for, the group or None)
+
+
+def _side_group(purpose: str, reuse_default: bool) -> dist.ProcessGroup | None:
+    default = dist.group.WORLD
+    made = _SIDE_GROUPS.get(purpose)
+    if made is None or made[0] is not default:  # first call, or a new default group
+        host = reuse_default and str(dist.get_backend()).lower() in _HOST_BACKENDS
+        _SIDE_GROUPS[purpose] = (default, None if host else dist.new_group(backend="gloo"))
+    return _SIDE_GROUPS[purpose][1]
 
 
 def host_group() -> dist.ProcessGroup | None:
     """A group of every rank whose collectives carry host tensors: the default group when its
     backend is a host one (gloo), else a gloo group over the same ranks, made once per default
-    group. For control flags (the preemption agreement): a 4-byte all-reduce on the host does not
-    wait for the accelerator's queue, where the same flag over NCCL needs a device sync to read.
-    Collective the first time: every rank must call it at the same point."""
-    default = dist.group.WORLD
-    if not _HOST_GROUP or _HOST_GROUP[0][0] is not default:  # first call, or a new default group
-        host = None if str(dist.get_backend()).lower() in _HOST_BACKENDS else dist.new_group(backend="gloo")
-        _HOST_GROUP[:] = [(default, host)]
-    return _HOST_GROUP[0][1]
+    group (every fit in the process shares it). For control flags (the preemption agreement): a
+    4-byte all-reduce on the host does not wait for the accelerator's queue, where the same flag
+    over NCCL needs a device sync to read. Collective the first time: every rank must call it at
+    the same point."""
+    return _side_group("host", reuse_default=True)
+
+
+def checkpoint_group() -> dist.ProcessGroup:
+    """A gloo group of every rank for checkpoint collectives, made once per default group (every
+    fit and every checkpoint writer in the process shares it). Its own group, not ``host_group``'s:
+    an asynchronous save runs its collectives from a background thread, and two threads issuing
+    collectives on one group may pair them differently on different ranks. Collective the first
+    time."""
+    group = _side_group("checkpoint", reuse_default=False)
+    assert group is not None
+    return group
 
 
 def _staged(tensor: torch.Tensor, group) -> torch.Tensor:

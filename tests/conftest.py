@@ -73,13 +73,12 @@ def pytest_collection_finish(session):  # the selected items, after -k / -m dese
 
 
 # Runs per set of rank processes: a launch's runs go to fresh processes every this many runs.
-# Every run leaves its process groups behind (torch's DeviceMesh makes one per mesh dimension,
-# even of size 1), and each idle gloo group keeps about 3 threads polling, 0.0016 of a core per
-# rank (benchmarks/bench_idle_groups.py, docs/benchmarks.md section 20), so one set of processes
-# costs more with every run it has run. Destroying a run's groups instead broke a later pipeline x
-# tensor parallel run (a DTensor resolved another rank's group name): fresh processes cost a
-# start-up (~5 s per rank) instead.
-_RUNS_PER_PROCESS = int(os.environ.get("LDT_RUNS_PER_PROCESS", "15"))
+# Each idle gloo group keeps about 3 threads polling, 0.0016 of a core per rank
+# (benchmarks/bench_idle_groups.py, docs/benchmarks.md section 20). A run makes groups only for the
+# rank sets its layout uses, and a later run of a layout already seen in the process reuses them
+# (parallel/mesh.py's pool: section 21), so a set's groups grow with its distinct layouts, not its
+# runs; fresh processes still cost a start-up (~5 s per rank).
+_RUNS_PER_PROCESS = int(os.environ.get("LDT_RUNS_PER_PROCESS", "40"))
 
 
 def _launch_once(out: Path, devices: int, jobs: list[tuple[str, str]]) -> tuple[bool, str] | None:

@@ -163,11 +163,24 @@ def test_host_group_is_the_default_under_gloo_and_a_gloo_group_beside_an_acceler
     # group reports "nccl") a gloo group over the same ranks is made once, and a host flag's
     # all-reduce goes there, on the host, without staging it onto an accelerator.
     assert comm.host_group() is None
-    comm._HOST_GROUP.clear()
+    comm._SIDE_GROUPS.clear()
     real_get_backend = dist.get_backend
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl" if group is None else real_get_backend(group))
     group = comm.host_group()
     assert group is not None and real_get_backend(group) == "gloo" and comm.host_group() is group
     flag = torch.tensor([1], dtype=torch.int32)
     assert comm.all_reduce(flag, "max", group=group).item() == 1 and comm.group_device(group).type == "cpu"
-    comm._HOST_GROUP.clear()
+    comm._SIDE_GROUPS.clear()
+
+
+def test_checkpoint_group_is_one_gloo_group_per_process_shared_by_every_writer(one_rank_group):
+    # Every fit's checkpoint writer used to make a new world-size gloo group (never destroyed): now
+    # one per default group, the same for every writer, and not the host group (async saves run
+    # its collectives from a background thread).
+    from lightning_disttrain.checkpoint.dcp_io import CheckpointWriter
+
+    comm._SIDE_GROUPS.clear()
+    first = CheckpointWriter().comm().group
+    assert first is not None and dist.get_backend(first) == "gloo" and first is not comm.host_group()
+    assert CheckpointWriter().comm().group is first and comm.checkpoint_group() is first
+    comm._SIDE_GROUPS.clear()

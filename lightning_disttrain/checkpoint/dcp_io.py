@@ -104,10 +104,11 @@ class Comm:
 
 
 def new_checkpoint_group() -> dist.ProcessGroup | None:
-    """A gloo group over all ranks for checkpoint collectives (collective: call on every rank)."""
+    """The gloo group over all ranks for checkpoint collectives (``comm.checkpoint_group``: one per
+    process, shared by every writer; collective the first time: call on every rank)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.new_group(backend="gloo")
+    return collectives.checkpoint_group()
 
 
 _OURS = (MANIFEST_NAME, ".metadata", META_NAME, rng.RNG_DIR)
@@ -263,7 +264,7 @@ class CheckpointWriter:
     async_save: bool = False
     """Write with ``dcp.async_save`` from a background thread instead of blocking."""
     group: dist.ProcessGroup | None = None
-    """Group for the checkpoint collectives; created on first use (a new gloo group)."""
+    """Group for the checkpoint collectives; on first use the process's checkpoint group."""
     _group_ready: bool = field(default=False, repr=False)
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
     _in_flight: _InFlight | None = field(default=None, repr=False)

@@ -29,7 +29,7 @@ class ContextStepMixin:
 
     def _shard_batch(self, batch: Any) -> Any:
         dims = self.parallel_dims  # type: ignore[attr-defined]
-        rank, size = dims.get_mesh("cp").get_local_rank(), dims.cp
+        rank, size = dims.local_rank("cp"), dims.cp
         lengths: set[int] = set()
 
         def shard(value: Any) -> Any:

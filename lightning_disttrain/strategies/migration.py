@@ -95,6 +95,10 @@ class ModelParallelStrategy(NDParallelStrategy):
                              f"size ({world_size} = {self.num_nodes} node(s) x {per_node} devices); change one of them")
         return ParallelDims(dp_replicate=1, dp_shard=dp, tp=tp, pp=1, ep=1, cp=1, world_size=world_size)
 
+    def _mesh_needs(self) -> dict[str, tuple[str, ...]]:
+        # Lightning's ModelParallelStrategy mesh: both names, size 1 included, whatever the module.
+        return {"keep": ("dp_shard", "tp"), "aliases": ("data_parallel", "tensor_parallel")}
+
 
 _SHARDING = {
     # FSDP1 sharding_strategy -> (reshard_after_forward, hsdp)

@@ -44,6 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain.models.context_parallel import check_length
+from lightning_disttrain.models.param_init import layout_independent_init
 from lightning_disttrain.parallel.fsdp import (
     install_mesh_aware_clipping,
     mp_policy_for_precision,
@@ -171,8 +172,10 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
 
     @property
     def device_mesh(self):
-        """The world ``DeviceMesh`` (dims ``pp, dp_replicate, dp_shard, cp, tp``); derived meshes via
-        ``parallel_dims.get_mesh(name)``."""
+        """The world ``DeviceMesh``: the dimensions of ``pp, dp_replicate, dp_shard, cp, tp`` with size > 1,
+        plus ``dp_shard`` (``ParallelDims.mesh_dims``); a module that parallelizes itself in
+        ``configure_model`` also finds ``tp`` and Lightning's ``data_parallel`` / ``tensor_parallel``
+        there, size 1 included. Derived meshes via ``parallel_dims.get_mesh(name)``."""
         if self._device_mesh is None:
             raise RuntimeError("the device mesh exists only after setup_environment (process group init)")
         return self._device_mesh
@@ -270,7 +273,7 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
             kwargs["device_id"] = self.root_device
         compat.init_process_group(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._device_mesh is None:  # a second fit/validate with this strategy keeps its mesh
-            self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+            self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, **self._mesh_needs())
             if self.tp_options.async_tp and self.parallel_dims.tp_enabled:
                 enable_async_tp(self.parallel_dims.get_mesh("tp"))
         if self.lightning_module is not None:
@@ -283,6 +286,31 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
 
                 ensure_signal_safety(trainer)
                 compat.fix_epoch_description(trainer)  # "Epoch 0/-2" under max_steps (issue 28)
+
+    def _wraps_fsdp(self) -> bool:
+        """Whether FSDP2 wraps the model. It runs also over one data-parallel rank: every parameter is
+        then a DTensor, as the optimizers' foreach kernels need (TP alone leaves some parameters plain).
+        One process, and pipeline stages without TP on one data-parallel rank, in full precision are
+        the exception: every parameter stays plain, and FSDP would only copy them in and out (about a
+        tenth of the step under pp: docs/benchmarks.md, section 11; 14 ms of 64 ms per step for a
+        4-layer, 128-wide GPT on one CPU process: section 18)."""
+        dims = self.parallel_dims
+        precision = getattr(self.precision_plugin, "precision", None)
+        mp_policy = self.mp_policy or mp_policy_for_precision(None if precision is None else str(precision))
+        return not ((dims.pp_enabled or dims.world_size == 1) and not dims.tp_enabled and dims.dp_size == 1
+                    and dims.cp == 1 and not self.cpu_offload and mp_policy == MixedPrecisionPolicy())
+
+    def _mesh_needs(self) -> dict[str, tuple[str, ...]]:
+        """Which size-1 dimensions the world mesh keeps, and which Lightning names it registers.
+        ``dp_shard`` always: FSDP wraps over it, and the data-parallel group (loss and metric means,
+        ``dp_process_group``) is its slice, one group of this rank alone when no other rank shares
+        its data (TP or PP only). A module that parallelizes itself in configure_model gets
+        Lightning's ModelParallelStrategy mesh too (``tensor_parallel`` and ``data_parallel``,
+        size 1 included)."""
+        module = self.lightning_module
+        if (module is not None and overrides_configure_model(module) and not layout_independent_init(module)):
+            return {"keep": ("dp_shard", "tp"), "aliases": ("data_parallel", "tensor_parallel")}
+        return {"keep": ("dp_shard",), "aliases": ()}
 
     # -- model setup ------------------------------------------------------------------------
 
@@ -306,7 +334,7 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
             # TP group (parallel/rng.py). A resumed run restores the saved streams after this.
             dims = self.parallel_dims
             seed_training_streams(self._agreed_init_seed(), self._ft_data_parallel(dims.dp_size, dims.dp_rank)[1],
-                                  dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0)
+                                  dims.local_rank("pp"))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             # Fresh optimizers over the sharded parameters (also after a previous stage's setup).
@@ -328,15 +356,8 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
         precision = getattr(self.precision_plugin, "precision", None)
         ctx = TransformContext(device=self.root_device, mesh=self.device_mesh, dims=dims,
                                precision=None if precision is None else str(precision))
-        # FSDP runs also over one data-parallel rank: every parameter is then a DTensor, as the
-        # optimizers' foreach kernels need (TP alone leaves some parameters plain). One process, and
-        # pipeline stages without TP on one data-parallel rank, in full precision are the exception:
-        # every parameter stays plain, and FSDP would only copy them in and out (about a tenth of
-        # the step under pp: docs/benchmarks.md, section 11; 14 ms of 64 ms per step for a 4-layer,
-        # 128-wide GPT on one CPU process: section 18).
         mp_policy = self.mp_policy or mp_policy_for_precision(ctx.precision)
-        no_fsdp = ((dims.pp_enabled or dims.world_size == 1) and not dims.tp_enabled and dims.dp_size == 1
-                   and dims.cp == 1 and not self.cpu_offload and mp_policy == MixedPrecisionPolicy())
+        no_fsdp = not self._wraps_fsdp()
         fsdp = None if no_fsdp else FSDPSettings(
             mesh=dims.get_mesh("fsdp"), mp_policy=mp_policy,
             # Under pp the schedule runs many micro-batches' forwards before their backwards: the
@@ -386,6 +407,16 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
         self.precision_plugin = plugin
         pp_mesh = self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None
         install_mesh_aware_clipping(plugin, pp_mesh=pp_mesh)
+
+    def release_process_groups(self) -> None:
+        """Destroy the process groups of this strategy's layout (its device mesh's), e.g. in a
+        notebook or a sweep that moves on to other layouts. Until then a later fit of the same layout
+        in this process reuses them (``parallel.mesh._POOL``): they do not accumulate across fits.
+        Afterwards the module this strategy sharded cannot be trained or evaluated again (its
+        parameters live on the destroyed mesh); a new module and Trainer can. Every rank calls it."""
+        if self._parallel_dims is not None:
+            self._parallel_dims.release()
+        self._device_mesh = None
 
     @override
     def teardown(self) -> None:

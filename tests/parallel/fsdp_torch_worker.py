@@ -79,8 +79,17 @@ def main() -> None:
     dims = ParallelDims(world_size=world)
     world_mesh = dims.build_mesh("cpu")
     res["mesh_dims"] = list(world_mesh.mesh_dim_names)
-    res["mesh_sizes"] = {n: dims.get_mesh(n).size() for n in (*MESH_DIMS, "dp", "dp_shard_cp", "dp_cp", "fsdp")}
+    def size(name):
+        try:
+            return dims.get_mesh(name).size()
+        except ValueError as e:
+            assert "has size 1 in this layout" in str(e) and "no process group" in str(e), e
+            return "no group"
+
+    res["mesh_sizes"] = {n: size(n) for n in (*MESH_DIMS, "dp", "dp_shard_cp", "dp_cp", "fsdp")}
+    res["same_mesh"] = {n: dims.get_mesh(n) is dims.get_mesh("dp_shard") for n in ("dp", "dp_shard_cp", "dp_cp", "fsdp")}
     res["dp_rank"] = dims.dp_rank
+    res["local_ranks"] = {n: dims.local_rank(n) for n in ("dp", "tp", "pp")}
     hsdp = ParallelDims(dp_replicate=world, world_size=world)  # 2 replicas of 1 shard: DDP-like HSDP
     hsdp.build_mesh("cpu")
     res["hsdp_fsdp_mesh"] = [list(hsdp.get_mesh("fsdp").mesh_dim_names), list(hsdp.get_mesh("fsdp").shape)]
@@ -125,7 +134,7 @@ def main() -> None:
     fulls = [torch.randn(4, 3), torch.randn(6), torch.randn(5)]
     params = [
         torch.nn.Parameter(distribute_tensor(fulls[0].clone(), dims.get_mesh("dp_shard_cp"), [Shard(0)])),
-        torch.nn.Parameter(distribute_tensor(fulls[1].clone(), world_mesh["dp_replicate", "dp_shard"],
+        torch.nn.Parameter(distribute_tensor(fulls[1].clone(), hsdp.get_mesh("fsdp"),  # 2-D: (2, 1)
                                              [Replicate(), Shard(0)])),
         torch.nn.Parameter(fulls[2].clone()),  # a plain, replicated tensor (e.g. an ignored param)
     ]

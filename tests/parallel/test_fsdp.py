@@ -72,11 +72,12 @@ def ranks(tmp_path_factory):
 @pytest.mark.slow  # the module fixture runs 2 processes
 def test_mesh_dimensions(ranks):
     for rank, r in enumerate(ranks):
-        assert r["mesh_dims"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
-        assert r["mesh_sizes"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1,
-                                   "dp": 2, "dp_shard_cp": 2, "dp_cp": 2, "fsdp": 2}
-        assert r["dp_rank"] == rank
-        assert r["hsdp_fsdp_mesh"] == [["dp_replicate", "dp_shard_cp"], [2, 1]]
+        assert r["mesh_dims"] == ["dp_shard"]
+        assert r["mesh_sizes"] == {"pp": "no group", "dp_replicate": "no group", "dp_shard": 2, "cp": "no group",
+                                   "tp": "no group", "dp": 2, "dp_shard_cp": 2, "dp_cp": 2, "fsdp": 2}
+        assert r["same_mesh"] == {"dp": True, "dp_shard_cp": True, "dp_cp": True, "fsdp": True}
+        assert r["dp_rank"] == rank and r["local_ranks"] == {"dp": rank, "tp": 0, "pp": 0}
+        assert r["hsdp_fsdp_mesh"] == [["dp_replicate", "dp_shard"], [2, 1]]
 
 
 @pytest.mark.slow  # the module fixture runs 2 processes

@@ -152,8 +152,8 @@ def fit_run(run: str, devices: int) -> dict:
     trainer.fit(model)
     dims = trainer.strategy.parallel_dims
     return {"file": str(recorder.path(trainer.global_rank)), "losses": model.losses, "dp_rank": dims.dp_rank,
-            "pp_rank": dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0,
-            "cp_rank": dims.get_mesh("cp").get_local_rank(),
+            "pp_rank": dims.local_rank("pp"),
+            "cp_rank": dims.local_rank("cp"),
             "stream_head": recorder.stream_head,
             "dims": dims.degrees, "steps": trainer.global_step,
             "precision": kwargs["precision"], "preset": preset, "overrides": overrides}

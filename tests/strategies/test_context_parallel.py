@@ -143,13 +143,7 @@ def test_a_batch_without_a_sequence_dimension_is_refused():
     from lightning_disttrain.strategies import NDParallelStrategy
 
     s = NDParallelStrategy(cp=2, dp_shard=1)
-    s._parallel_dims = ParallelDims(cp=2, dp_shard=1, world_size=2)
-
-    class Mesh:  # the cp rank, without a process group
-        def get_local_rank(self):
-            return 0
-
-    s._parallel_dims._meshes = {"cp": Mesh()}
+    s._parallel_dims = ParallelDims(cp=2, dp_shard=1, world_size=2)  # cp rank 0: no process group needed
     with pytest.raises(ValueError, match="has none: give the model"):
         s._shard_batch({"ids": torch.arange(4), "label": 3})
     with pytest.raises(ValueError, match="different sequence lengths"):

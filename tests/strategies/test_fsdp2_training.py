@@ -61,16 +61,16 @@ def test_replicate_only_all_reduces(two):
 
 def test_layout_and_sampler(two, four):
     for ranks, run, dims, placements, mesh, rows in [
-        (two["fsdp2"], "fsdp2", (1, 2), ["S(0)"], ["dp_shard_cp"], 16),
-        (four["fsdp2"], "fsdp2", (1, 4), ["S(0)"], ["dp_shard_cp"], 8),
-        (four["hsdp"], "hsdp", (2, 2), ["R", "S(0)"], ["dp_replicate", "dp_shard_cp"], 16),
+        (two["fsdp2"], "fsdp2", (1, 2), ["S(0)"], ["dp_shard"], 16),
+        (four["fsdp2"], "fsdp2", (1, 4), ["S(0)"], ["dp_shard"], 8),
+        (four["hsdp"], "hsdp", (2, 2), ["R", "S(0)"], ["dp_replicate", "dp_shard"], 16),
     ]:
         # Every rank is its own data-parallel rank here: no TP/PP ranks share samples.
         assert [r["sampler"] for r in ranks] == [{"num_replicas": len(ranks), "rank": i} for i in range(len(ranks))]
         for r in ranks:
             assert (r["dims"]["dp_replicate"], r["dims"]["dp_shard"]) == dims, run
             assert (r["placements"], r["mesh_dims"], r["local_rows"]) == (placements, mesh, rows), run
-            assert r["lightning_module_mesh"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+            assert r["lightning_module_mesh"] == mesh
             assert not r["root_is_lightning_module"]  # GPTModule.model owns every parameter
             assert r["sharded_after_validate"]
 
@@ -166,12 +166,12 @@ def test_fsdp2_x_tensor_parallel_2x2(four):
     # Parameters are sharded over both: FSDP over the data-parallel pair, TP within each pair.
     for r in four["fsdp2_tp"]:
         assert (r["dims"]["dp_shard"], r["dims"]["tp"]) == (2, 2)
-        assert r["mesh_dims"] == ["dp_shard_cp", "tp"] and r["placements"] == ["_S(0, 2)", "S(0)"]
+        assert r["mesh_dims"] == ["dp_shard", "tp"] and r["placements"] == ["_S(0, 2)", "S(0)"]
         assert r["local_rows"] == 32 // 4
         # The sampler counts replicas, not ranks: the TP pair (0, 1) reads replica 0's samples.
         assert r["sampler"]["num_replicas"] == 2
     assert [r["sampler"]["rank"] for r in four["fsdp2_tp"]] == [0, 0, 1, 1]
     for r in four["hsdp_tp"]:
         assert (r["dims"]["dp_replicate"], r["dims"]["dp_shard"], r["dims"]["tp"]) == (2, 1, 2)
-        assert r["mesh_dims"] == ["dp_replicate", "dp_shard_cp", "tp"] and r["local_rows"] == 32 // 2
+        assert r["mesh_dims"] == ["dp_replicate", "dp_shard", "tp"] and r["local_rows"] == 32 // 2
     assert [r["sampler"]["rank"] for r in four["hsdp_tp"]] == [0, 0, 1, 1]

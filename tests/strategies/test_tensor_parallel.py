@@ -50,7 +50,7 @@ def test_tp2_matches_one_process(two, single, run):
 def test_layouts(two):
     for r in two["tp2"]:
         # wq: (32, 32) sharded by TP on its rows (output features), FSDP over one data-parallel rank.
-        assert r["mesh_dims"] == ["dp_shard_cp", "tp"] and r["local_shape"] == [16, 32]
+        assert r["mesh_dims"] == ["dp_shard", "tp"] and r["local_shape"] == [16, 32]
         assert r["tied"] is True  # the embedding and the head share one vocabulary-sharded weight
         assert r["steps"] == ["tensor_parallel: tp=2, 2 blocks + root, sequence parallel, loss parallel",
                               "fsdp: 2 blocks + 0 groups + root GPT"]

@@ -1,0 +1,25 @@
+"""Process groups across fits in one process (issue 38): nothing accumulates, release destroys
+everything a layout made, and a layout built again after a release trains as before."""
+
+WORKER, LAUNCH = "groups_worker", {2: ["three_fits"]}  # launched by conftest.py
+
+
+def test_three_fits_then_release_leave_the_groups_where_they_started(two):
+    for r in two["three_fits"]:
+        start, end = r["start"], r["end"]
+        # Each layout adds only its own groups: FSDP2 over the 2 ranks uses the default group (none),
+        # TP 2 the same (none: dp_shard=1 is a size-1 group for FSDP's mesh), HSDP 2x1 its dp_shard.
+        assert r["groups_after"]["fsdp2"] == start["groups"], r
+        assert r["released"] == r["groups_after"]["hsdp"] - start["groups"] > 0, r
+        assert end["groups"] == start["groups"], r
+        # Threads: recorded, not asserted back to the start. gloo's threads of a destroyed group stayed
+        # alive here although no Python object referred to the group any more (something outside
+        # Python holds it); what is asserted is that they stop growing: two more fits of a layout
+        # (rebuilt once, then reused) add at most that layout's one group's threads.
+        assert r["threads_after_refits"] - end["threads"] <= 3, r
+
+
+def test_a_layout_rebuilt_after_release_trains_exactly_as_before_and_reuse_makes_no_group(two):
+    for r in two["three_fits"]:
+        assert r["losses"]["tp2_after_release"] == r["losses"]["tp2"] == r["losses"]["tp2_again"]
+        assert r["new_groups_for_the_same_layout"] == 0
