@@ -207,12 +207,25 @@ def reshard(module: nn.Module) -> None:
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     """Turn FSDP's gradient reduce-scatter (and HSDP's all-reduce) on or off for every unit.
 
-    Off, backward accumulates unsharded gradients locally; the next backward with it on reduces
-    the sum once. Gradient accumulation thus communicates once per optimizer step, at the cost of
-    holding a full gradient per unit meanwhile.
+    Off, backward accumulates unsharded gradients locally (in the reduce dtype: fp32 under our
+    mixed-precision policies); the next backward with it on reduces the sum once. Gradient
+    accumulation thus communicates once per optimizer step, at the cost of holding the whole
+    unsharded gradient of every unit meanwhile (``NDParallelStrategy(accumulate_unsharded_grads=True)``).
     """
     for m in fsdp_modules(module):
         m.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def set_replica_all_reduce(module: nn.Module, enabled: bool) -> None:
+    """Turn HSDP's all-reduce across replicas on or off for every unit, keeping the reduce-scatter.
+
+    Off, each backward still reduce-scatters (gradients stay sharded) and FSDP adds the shard into
+    a partial sum of its own; the next backward with it on all-reduces that sum once. Sharded
+    gradient accumulation thus crosses replicas (nodes, usually) once per optimizer step. No effect
+    on units without a replicate dimension.
+    """
+    for m in fsdp_modules(module):
+        m.set_requires_all_reduce(enabled, recurse=False)
 
 
 @torch.no_grad()

@@ -47,6 +47,10 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--micro-batch", type=int, default=1, help="sequences per forward per GPU")
     w.add_argument("--precision", default="bf16", choices=PRECISIONS)
     w.add_argument("--no-flash", action="store_true", help="attention stores its score matrix (no FlashAttention)")
+    w.add_argument("--accumulate-unsharded-grads", action="store_true",
+                   help="plan gradient accumulation as NDParallelStrategy(accumulate_unsharded_grads=True): one "
+                        "reduce-scatter per optimizer step, the whole unsharded fp32 gradient held between "
+                        "micro-batches (default: reduce-scatter every micro-batch, gradients stay sharded)")
     w.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="fraction of memory kept free (default 0.1)")
     w.add_argument("--mfu", type=float, help="model FLOPs utilisation to assume (default 0.40, with its anchors)")
     k = p.add_argument_group("cost and failures")
@@ -104,7 +108,7 @@ def plan_main(argv: list[str] | None = None) -> None:
             raise ValueError("--spot-price needs --preemptions-per-hour (spot preemptions per node-hour, e.g. 0.05)")
         if not 0 <= args.margin < 1:
             raise ValueError(f"--margin {args.margin} must be in [0, 1)")
-        plan = make_plan(shape, workload, cluster, money, args.mfu, args.margin)
+        plan = make_plan(shape, workload, cluster, money, args.mfu, args.margin, args.accumulate_unsharded_grads)
         written = None
         if args.layout and not args.write_config:
             raise ValueError("--layout names the layout --write-config writes: add --write-config YAML")

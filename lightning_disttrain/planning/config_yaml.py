@@ -42,6 +42,8 @@ def strategy_config(layout: Layout) -> str | dict:
     init["dp_shard"] = layout.dp_shard
     if layout.zero == 2:
         init["reshard_after_forward"] = False
+    if layout.accumulate_unsharded_grads:
+        init["accumulate_unsharded_grads"] = True
     if layout.pp > 1:
         options = layout.pipeline
         init["pp_schedule"] = options.schedule
@@ -151,5 +153,6 @@ def layout_from_config(config: dict) -> tuple[Layout, int]:
         dp_shard = world // (degrees["dp_replicate"] * degrees["tp"] * degrees["cp"] * degrees["pp"])
     reshard = init.get("reshard_after_forward", True)
     return Layout(**degrees, dp_shard=dp_shard, zero=3 if reshard is True else 2, ac=ac, ac_every_k=every_k,
+                  accumulate_unsharded_grads=bool(init.get("accumulate_unsharded_grads", False)),
                   pp_schedule=init.get("pp_schedule", "1F1B"), pp_microbatches=init.get("pp_microbatches"),
                   pp_stages_per_rank=init.get("pp_stages_per_rank")), batch

@@ -14,6 +14,13 @@ global batch, ``global_batch / (dp x micro_batch)`` micro-batches, runs as one s
 bubble; 1F1B's memory does not grow with them). Fewer micro-batches than the schedule's stages, or
 (interleaved) a count that is not a multiple of pp, leaves the layout out with the reason.
 
+Gradient accumulation under FSDP (``zero >= 2``) is planned in the mode the run will use:
+``accumulate_unsharded_grads`` (``plan --accumulate-unsharded-grads``) sets it on every FSDP layout,
+whose memory then holds the unsharded gradients between micro-batches and whose communication
+reduce-scatters once per step; by default gradients stay sharded, reduce-scattered every
+micro-batch. Each candidate's memory is computed with its own accumulation in that mode, so a
+layout whose accumulation does not fit is never recommended.
+
 The recommendation is the first layout in that order that divides the batch and fits with
 headroom: at least ``PLAN_ERROR`` of the usable memory to spare, the planner's own error as
 validated against measured peaks (docs/benchmarks.md, section 12: measured / planned within
@@ -23,7 +30,7 @@ recommended, and the reason says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from lightning_disttrain.planning.memory import (
@@ -88,9 +95,18 @@ def _pipeline_layout(shape: ModelShape, workload: Workload, p: int, tp: int, dp_
     return Layout(**{**base.__dict__, "pp_microbatches": n}), note
 
 
-def candidate_layouts(shape: ModelShape, cluster: Cluster,
-                      workload: Workload | None = None) -> list[tuple[Layout, str, bool]]:
-    """(layout, note, recommendable) in the planner's order of simplicity."""
+def candidate_layouts(shape: ModelShape, cluster: Cluster, workload: Workload | None = None,
+                      accumulate_unsharded_grads: bool = False) -> list[tuple[Layout, str, bool]]:
+    """(layout, note, recommendable) in the planner's order of simplicity; the FSDP layouts (zero >= 2)
+    carry ``accumulate_unsharded_grads``."""
+    out = _candidates(shape, cluster, workload)
+    if not accumulate_unsharded_grads:
+        return out
+    return [(replace(layout, accumulate_unsharded_grads=True) if layout.zero >= 2 else layout, note, ok)
+            for layout, note, ok in out]
+
+
+def _candidates(shape: ModelShape, cluster: Cluster, workload: Workload | None) -> list[tuple[Layout, str, bool]]:
     N, G, M = cluster.world, cluster.gpus_per_node, cluster.nodes
     out: list[tuple[Layout, str, bool]] = [
         (Layout(dp_replicate=N, dp_shard=1, zero=0), "", True),
@@ -135,11 +151,12 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster,
     return out
 
 
-def evaluate(shape: ModelShape, workload: Workload, cluster: Cluster,
-             margin: float = DEFAULT_MARGIN) -> list[Candidate]:
-    """Every candidate layout with its memory estimate and gradient accumulation."""
+def evaluate(shape: ModelShape, workload: Workload, cluster: Cluster, margin: float = DEFAULT_MARGIN,
+             accumulate_unsharded_grads: bool = False) -> list[Candidate]:
+    """Every candidate layout with its memory estimate and gradient accumulation (the memory of that
+    accumulation in the chosen mode: see the module doc)."""
     out = []
-    for layout, note, ok in candidate_layouts(shape, cluster, workload):
+    for layout, note, ok in candidate_layouts(shape, cluster, workload, accumulate_unsharded_grads):
         per_step = workload.micro_batch * layout.dp * layout.microbatches
         accumulation = workload.global_batch // per_step if workload.global_batch % per_step == 0 else None
         if accumulation is None and ok:

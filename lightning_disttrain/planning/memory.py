@@ -42,11 +42,22 @@ Logits: s*b*V/t elements (the head is vocabulary-parallel under tp, with loss pa
 gradient 4) and 12 B in fp32 (logits, log-softmax output, gradient); a pipeline's last stage holding
 n micro-batches' logits (GPipe) keeps n x (10 - 4) or n x (12 - 4) B and one gradient.
 
+Gradient accumulation (k micro-batches per optimizer step) under FSDP: by default every
+micro-batch reduce-scatters and adds its shard to the parameter's sharded gradient, so nothing
+beyond the sharded gradients above is held (HSDP's partial sum across replicas is one sharded
+gradient too, in place of the parameter's until the last micro-batch). With the strategy's
+``accumulate_unsharded_grads`` (``Layout.accumulate_unsharded_grads``) FSDP skips the
+reduce-scatter and each unit keeps its whole unsharded gradient in the reduce dtype (fp32,
+``REDUCE_BYTES``) from the window's first backward to its last; the sharded gradients are freed
+when the window starts (``zero_grad``), so ``grads`` is then the unsharded gradient of the rank's
+part of the model: 4 B/param / tp instead of 2-4 B/param / shard (measured on 2 CPU ranks,
+tests/planning/test_accumulation_memory.py).
+
 Buffers, stated: FSDP2 (ZeRO-3) holds the root unit (embedding, head, final norm) and two blocks
 all-gathered at a time (the current one and the prefetched next) at the compute dtype, plus one
 block's unsharded fp32 gradient for the reduce-scatter; under a pipeline the strategy keeps every
 parameter of the stage gathered from forward to backward (``reshard_after_forward=False``), and
-with gradient accumulation their unsharded gradients too, and it runs no FSDP at all for pipeline
+it runs no FSDP at all for pipeline
 stages without tp on one data-parallel rank in fp32 (nothing to shard: no buffers); a pipeline
 stage also keeps, from its first step on, a receive buffer per micro-batch for its input (all but the
 first stage) and for its output's gradient (all but the last) (torch's ``PipelineStage``); ZeRO-1/2 and
@@ -97,6 +108,9 @@ LOGIT_BYTES = {"bf16": 10, "fp8": 10, "fp32": 12, "bf16-pure": 10}
 LOGIT_GRAD_BYTES = 4
 """Of LOGIT_BYTES, the fp32 gradient: only one micro-batch's at a time when a pipeline's last stage
 holds several micro-batches' logits (GPipe)."""
+REDUCE_BYTES = 4
+"""Bytes per element of FSDP's gradient reduction (``mp_policy_for_precision``: fp32 in every precision),
+the dtype unsharded gradients accumulate in when the reduce-scatter is skipped."""
 DDP_BUCKETS = 2 * 25e6
 GPU_RESERVED = 2 * GB
 DEFAULT_MARGIN = 0.10
@@ -197,6 +211,12 @@ def runs_fsdp(layout: Layout, precision: str) -> bool:
     return layout.zero > 0 and not (layout.pp > 1 and layout.tp == 1 and layout.dp == 1 and precision == "fp32")
 
 
+def unsharded_accumulation(layout: Layout, accumulation: int, fsdp: bool = True) -> bool:
+    """Whether FSDP holds unsharded gradients between the micro-batches of an optimizer step: gradient
+    accumulation with ``accumulate_unsharded_grads`` on an FSDP layout."""
+    return fsdp and layout.zero >= 2 and accumulation > 1 and layout.accumulate_unsharded_grads
+
+
 def memory_per_rank(shape: ModelShape, layout: Layout, workload: Workload, cluster: Cluster,
                     margin: float = DEFAULT_MARGIN, accumulation: int = 1) -> list[MemoryEstimate]:
     """The memory estimate of every pipeline rank of ``layout`` (one without a pipeline), for
@@ -229,6 +249,8 @@ def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster:
     params = part(lambda n: sb.weights / n if z == 3 else sb.weights)
     grads = part(lambda n: sb.grads / n if z >= 2 else sb.grads)
     optimizer = part(lambda n: (sb.master + sb.moments) / n if z >= 1 else sb.master + sb.moments)
+    if unsharded_accumulation(layout, accumulation, fsdp):
+        grads = (dense + experts) * REDUCE_BYTES  # every unit's whole gradient, between micro-batches
 
     s, b, t = workload.seq_len, workload.micro_batch, layout.tp
     tokens = s * b / layout.cp  # this rank's: context parallel splits every sequence over cp ranks
@@ -261,8 +283,6 @@ def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster:
                 for i in rs.all_layers)  # one FSDP unit, this rank's part
     if z == 3 and layout.pp > 1:  # the stage stays gathered from forward to backward
         buffers = (dense + experts) * compute_bytes + block * 4
-        if accumulation > 1:  # and its unsharded gradients add up until the last micro-step
-            buffers += (dense + experts) * compute_bytes
     elif z == 3:
         root = ((shape.first_stage_params if rs.first else 0.0) + (shape.last_stage_params if rs.last else 0.0)) / t
         buffers = (root + 2 * block) * compute_bytes + block * 4

@@ -47,6 +47,8 @@ class Plan:
     assumptions: list[str] = field(default_factory=list)
     fits_at: tuple[int, int, str] | None = None
     """When nothing fits: (nodes, micro batch, layout) of the smallest cluster of these GPUs that fits."""
+    accumulate_unsharded_grads: bool = False
+    """The gradient-accumulation mode planned for the FSDP layouts (``Layout.accumulate_unsharded_grads``)."""
 
     def to_dict(self) -> dict:
         """Plain numbers for ``--json`` (memory in GB)."""
@@ -58,7 +60,8 @@ class Plan:
             "cluster": {"gpu": c.gpu, "gpus_per_node": c.gpus_per_node, "nodes": c.nodes,
                         "memory_gb": c.memory_bytes / GB},
             "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "micro_batch": w.micro_batch,
-                         "precision": w.precision, "flash": w.flash, "tokens_per_step": w.tokens_per_step},
+                         "precision": w.precision, "flash": w.flash, "tokens_per_step": w.tokens_per_step,
+                         "accumulate_unsharded_grads": self.accumulate_unsharded_grads},
             "layouts": [{"name": x.layout.name, "degrees": _degrees(x), "zero": x.layout.zero, "ac": x.layout.ac,
                          "pipeline": _pipeline(x), "accumulation": x.accumulation, "note": x.note,
                          "recommendable": x.recommendable, "safe": x.safe(),
@@ -113,14 +116,14 @@ SEARCH_NODES = sorted({*range(1, 129), *(2 ** k for k in range(8, 14))})
 """Node counts tried for the smallest cluster that fits (up to 8192 nodes)."""
 
 
-def smallest_fit(shape: ModelShape, workload: Workload, cluster: Cluster,
-                 margin: float = DEFAULT_MARGIN) -> tuple[int, Candidate] | None:
+def smallest_fit(shape: ModelShape, workload: Workload, cluster: Cluster, margin: float = DEFAULT_MARGIN,
+                 accumulate_unsharded_grads: bool = False) -> tuple[int, Candidate] | None:
     """The fewest nodes (of ``cluster``'s GPUs) on which some layout fits ``workload``, and that layout."""
     for nodes in SEARCH_NODES:
         if nodes <= cluster.nodes:
             continue
         bigger = Cluster(cluster.gpu, cluster.gpus_per_node, nodes, cluster.memory_gb)
-        chosen, _ = recommend(evaluate(shape, workload, bigger, margin))
+        chosen, _ = recommend(evaluate(shape, workload, bigger, margin, accumulate_unsharded_grads))
         if chosen is not None:
             return nodes, chosen
     return None
@@ -135,7 +138,7 @@ def _nothing_fits(plan: Plan, margin: float) -> str:
             f"({best.layout.name}) against {usable:.1f} GB usable")
     for micro in dict.fromkeys((w.micro_batch, 1)):
         workload = w if micro == w.micro_batch else Workload(w.seq_len, w.global_batch, micro, w.precision, w.flash)
-        found = smallest_fit(shape, workload, c, margin)
+        found = smallest_fit(shape, workload, c, margin, plan.accumulate_unsharded_grads)
         if found is not None:
             nodes, chosen = found
             plan.fits_at = (nodes, micro, chosen.layout.name)
@@ -150,16 +153,24 @@ def _nothing_fits(plan: Plan, margin: float) -> str:
 
 
 def make_plan(shape: ModelShape, workload: Workload, cluster: Cluster, money: Money = Money(),
-              mfu: float | None = None, margin: float = DEFAULT_MARGIN) -> Plan:
-    candidates = evaluate(shape, workload, cluster, margin)
+              mfu: float | None = None, margin: float = DEFAULT_MARGIN,
+              accumulate_unsharded_grads: bool = False) -> Plan:
+    candidates = evaluate(shape, workload, cluster, margin, accumulate_unsharded_grads)
     chosen, reason = recommend(candidates)
-    plan = Plan(shape, workload, cluster, candidates, chosen, reason)
+    plan = Plan(shape, workload, cluster, candidates, chosen, reason,
+                accumulate_unsharded_grads=accumulate_unsharded_grads)
     plan.assumptions.append(f"memory: GB = 1e9 bytes; fits within {1 - margin:.0%} of {cluster.memory_bytes / GB:.0f} GB "
                             f"(margin for allocator fragmentation)")
     sb = STATE_BYTES[workload.precision]
     plan.assumptions.append(f"model state: {sb.total:g} bytes/param at {workload.precision} (weights {sb.weights:g} + "
                             f"gradients {sb.grads:g} + fp32 master {sb.master:g} + AdamW moments {sb.moments:g}), "
                             f"divided over the sharding ranks by ZeRO stage (ZeRO-3: all of it)")
+    plan.assumptions.append(
+        "gradient accumulation under FSDP: " + (
+            "one reduce-scatter per optimizer step (--accumulate-unsharded-grads): every rank holds its part's "
+            "whole unsharded fp32 gradient between micro-batches" if accumulate_unsharded_grads else
+            "a reduce-scatter every micro-batch, gradients stay sharded (--accumulate-unsharded-grads trades "
+            "memory for 1/k of that traffic)"))
     if chosen is None:
         plan.reason = _nothing_fits(plan, margin)
         return plan

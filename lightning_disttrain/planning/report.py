@@ -34,6 +34,9 @@ def summary(plan: Plan) -> list[str]:
     if plan.chosen is not None:
         layout = plan.chosen.layout
         text = f"  gradient accumulation {plan.chosen.accumulation}"
+        if layout.zero >= 2 and (plan.chosen.accumulation or 1) > 1:
+            text += (" (one reduce-scatter per step, unsharded gradients held: accumulate_unsharded_grads)"
+                     if layout.accumulate_unsharded_grads else " (reduce-scatter every micro-batch, gradients sharded)")
         if layout.pp > 1:
             o = layout.pipeline
             text += (f"; pipeline {o.schedule}, {o.num_microbatches(layout.pp)} micro-batches of {w.micro_batch} "

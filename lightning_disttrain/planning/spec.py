@@ -111,6 +111,10 @@ class Layout:
     the strategy's default (one per stage)."""
     pp_stages_per_rank: int | None = None
     """``NDParallelStrategy(pp_stages_per_rank=...)``; None: the strategy's default for the schedule."""
+    accumulate_unsharded_grads: bool = False
+    """``NDParallelStrategy(accumulate_unsharded_grads=...)`` (FSDP layouts, ``zero >= 2``): with gradient
+    accumulation, False reduce-scatters every micro-batch (gradients stay sharded), True once per
+    step (the whole unsharded fp32 gradient held between micro-batches)."""
 
     def __post_init__(self) -> None:
         for name in DEGREES:
@@ -127,6 +131,9 @@ class Layout:
             raise ValueError(f"Layout.ac_every_k={self.ac_every_k!r} must be an int >= 1")
         if self.pp > 1:
             PipelineOptions(self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank)  # the strategy's checks
+        if self.accumulate_unsharded_grads and self.zero < 2:
+            raise ValueError(f"Layout.accumulate_unsharded_grads=True is an FSDP option (zero 2 or 3), not for "
+                             f"zero={self.zero}: leave it False")
 
     @property
     def pipeline(self) -> PipelineOptions:

@@ -26,7 +26,11 @@ layout's communication.
   backward, (ep - 1)/ep of it leaving each rank; exposed.
 - dp: FSDP's all-gathers (forward and backward of every micro-step; ZeRO-2: forward only) and
   the gradient reduce-scatter, DDP's all-reduce, HSDP's all-reduce across nodes; overlapped with
-  the compute, so only what exceeds it is exposed.
+  the compute, so only what exceeds it is exposed. With gradient accumulation FSDP reduce-scatters
+  every micro-step (the strategy's default: gradients stay sharded; HSDP still all-reduces across
+  nodes once per step, except under a pipeline, whose stages reduce fully at every schedule step),
+  or once per step with ``Layout.accumulate_unsharded_grads`` (the memory it costs:
+  ``planning/memory.py``). DDP all-reduces once per step (Lightning's ``no_sync``).
 
 Link bandwidths per GPU and direction (``LINKS``, datasheets) times ``LINK_EFFICIENCY`` (what
 NCCL's bus bandwidth reaches on large messages); ring collectives move (n - 1)/n of the data per rank.
@@ -191,9 +195,12 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
         gathers = 2 if layout.zero == 3 and p == 1 else 1
         gathered = gathers * microsteps if p == 1 else gathers * accumulation
         weights = dense * _ring(n) + experts * _ring(n // ep)
-        dp_comm = (gathered * weights * e + weights * 4) / shard_bw
+        reductions = 1 if layout.accumulate_unsharded_grads else accumulation  # reduce-scatters per step
+        dp_comm = (gathered * weights * e + reductions * weights * 4) / shard_bw
         if layout.dp_replicate > 1:
-            dp_comm += 2 * _ring(layout.dp_replicate) * (dense / n + experts / max(1, n // ep)) * 4 / inter
+            all_reduces = reductions if p > 1 else 1  # torch's pipeline stage turns every sync on itself
+            dp_comm += (all_reduces * 2 * _ring(layout.dp_replicate) * (dense / n + experts / max(1, n // ep)) * 4
+                        / inter)
     dp_exposed = max(0.0, dp_comm - compute)
     busy = compute + recompute + tp_comm + cp_comm + ep_comm
     bubble = pipeline_bubble(layout.pipeline, p) * busy if p > 1 else 0.0

@@ -47,10 +47,11 @@ class FSDP2Strategy(NDParallelStrategy):
         hsdp: Optional[Union[tuple[int, int], Literal["auto"]]] = None,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         cpu_offload: bool = False,
+        accumulate_unsharded_grads: bool = False,
         async_save: bool = False,
         on_save_error: str = "stop",
         compile: Union[bool, dict[str, Any]] = False,
-        empty_init: bool = False,
+        empty_init: Optional[bool] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -68,6 +69,7 @@ class FSDP2Strategy(NDParallelStrategy):
         self.hsdp = hsdp
         super().__init__(
             reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, cpu_offload=cpu_offload,
+            accumulate_unsharded_grads=accumulate_unsharded_grads,
             async_save=async_save, on_save_error=on_save_error, compile=compile, empty_init=empty_init,
             accelerator=accelerator,
             parallel_devices=parallel_devices, cluster_environment=cluster_environment,

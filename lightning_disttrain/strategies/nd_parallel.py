@@ -10,12 +10,15 @@ What runs when (Lightning 2.6, ``Trainer._run``), and what this strategy does at
    ``self.device_mesh``.
 3. ``setup`` hooks: data module, then **callbacks** (they register their model transforms with
    ``trainer.strategy.transforms`` here), then the LightningModule.
-4. ``configure_model`` runs under ``tensor_init_context`` (the meta device with ``empty_init``).
+4. ``configure_model`` runs under ``tensor_init_context`` (the meta device with ``empty_init``: by
+   default for a module whose initialisation is layout independent, GPTModule).
 5. ``setup`` (this strategy): precision conversion, materialisation or rank 0's weights, then
    ``parallel.recipe.parallelize`` (every transform in its fixed order, FSDP last), then the
    optimizers, which must see the sharded parameters.
 6. Training: non-final micro-batches of gradient accumulation run inside ``block_backward_sync``,
-   which turns FSDP's gradient reduction off; gradient clipping goes through ``clip_grad_norm_``.
+   which reduce-scatters every micro-batch (HSDP: all-reduces across replicas on the last only),
+   or with ``accumulate_unsharded_grads`` turns FSDP's gradient reduction off; gradient clipping
+   goes through ``clip_grad_norm_``.
 
 Checkpointing (DCP, ``restore_checkpoint_after_setup``) comes from ``DCPCheckpointMixin``; it reads
 ``parallel_dims``, ``device_mesh``, ``async_save``, ``optimizers`` and the usual ranks from here.
@@ -92,10 +95,11 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
         reshard_after_forward: Union[bool, int] = True,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         cpu_offload: bool = False,
+        accumulate_unsharded_grads: bool = False,
         async_save: bool = False,
         on_save_error: str = "stop",
         compile: Union[bool, dict[str, Any]] = False,
-        empty_init: bool = False,
+        empty_init: Optional[bool] = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         async_tp: bool = False,
@@ -131,6 +135,10 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
                              f"(ZeRO-2) or an int > 1 (reshard to groups of that many ranks)")
         self.mp_policy = mp_policy
         self.cpu_offload = cpu_offload
+        if not isinstance(accumulate_unsharded_grads, bool):
+            raise ValueError(f"accumulate_unsharded_grads={accumulate_unsharded_grads!r}: use False (reduce-scatter "
+                             f"every micro-batch, gradients stay sharded) or True (one reduce-scatter per step)")
+        self.accumulate_unsharded_grads = accumulate_unsharded_grads
         self.async_save = async_save
         if on_save_error not in ("stop", "warn"):
             raise ValueError(f"on_save_error={on_save_error!r}: use 'stop' (a failed checkpoint save ends fit on "
@@ -317,8 +325,8 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        empty = self.empty_init if empty_init is None else empty_init
-        with torch.device("meta") if empty else self.root_device, self.precision_plugin.tensor_init_context():
+        # The meta device or the root device: InitialWeightsMixin._build_device (auto_empty_init).
+        with self._build_device(empty_init), self.precision_plugin.tensor_init_context():
             yield
 
     @override
@@ -441,14 +449,27 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
         mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision
             (``bf16-*``: bf16 compute and all-gather, fp32 gradient reduction; ``32-true``: none).
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        accumulate_unsharded_grads: with ``accumulate_grad_batches`` k > 1. False (default): every
+            micro-batch's backward reduce-scatters, so gradients stay sharded (1/shard of the model's
+            fp32 gradient per rank) at k times the reduce-scatter traffic (HSDP still all-reduces
+            across replicas once per step). True: FSDP skips the reduce-scatter on all but the last
+            micro-batch, one per step, but every rank holds the whole unsharded fp32 gradient of its
+            part of the model between micro-batches (what ``plan --accumulate-unsharded-grads``
+            counts). Choose True only when that fits and communication is the bottleneck.
         async_save: checkpoints are written in the background (used by ``DCPCheckpointMixin``).
         on_save_error: a checkpoint that cannot be written (disk full): ``"stop"`` ends ``fit`` on
             every rank with the error, ``"warn"`` logs it and trains on. The previous checkpoints
             stay valid either way.
         compile: ``torch.compile`` each block (True, or a dict of options for ``apply_compile``).
-        empty_init: run ``configure_model`` on the meta device and materialise (see
-            ``_materialize``). Default False builds real weights, identical to a single-process
-            run with the same seed.
+        empty_init: run ``configure_model`` on the meta device and materialise after sharding (see
+            ``_materialize``): no rank allocates the whole model. None (default): True for a module
+            whose init is layout independent (GPTModule: bitwise the weights of an eager
+            single-process build either way), False for any other (built eagerly, as under
+            Lightning's strategies: a memory option does not change its numbers unasked); see
+            ``strategies.initial_weights.auto_empty_init``. True for such a module: per-submodule
+            seeded weights (the same under every layout, not its constructors' draws), initialised
+            one initialiser at a time after sharding. False: build real weights on every rank
+            (rank 0's are broadcast, one tensor at a time).
         sequence_parallel, loss_parallel, async_tp: with tp > 1 (``parallel.tensor.TensorParallelOptions``).
         pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_edge_cost: with pp > 1
             (``parallel.pipeline.PipelineOptions``; the step contract in ``strategies/pipeline_steps.py``).

@@ -3,8 +3,8 @@ the (sharded) LightningModule.
 
 Lightning calls the strategy's ``training_step`` and then ``strategy.backward`` separately.
 FSDP needs the steps entered through the root module's ``__call__`` when the LightningModule
-itself is the root, its gradient sync switched off for accumulation, and its gathered parameters
-freed after forward-only evaluation. Loss parallel needs one context around the loss and its
+itself is the root, its gradient reduction chosen per micro-batch of an accumulation window
+(``block_backward_sync``), and its gathered parameters freed after forward-only evaluation. Loss parallel needs one context around the loss and its
 backward: Lightning runs them in two calls (``training_step``, then ``backward``), so the strategy
 enters ``loss_parallel()`` in both. Pipeline parallel, which runs forward and backward of every
 micro-batch in one schedule, owns the whole step: ``pipeline_steps.PipelineStepMixin``.
@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from typing_extensions import override
 
-from lightning_disttrain.parallel.fsdp import reshard, set_gradient_sync
+from lightning_disttrain.parallel.fsdp import reshard, set_gradient_sync, set_replica_all_reduce
 from lightning_disttrain import _lightning_compat as compat
 
 
@@ -39,18 +39,41 @@ class StepMixin:
     """How the module parallelized itself in ``configure_model`` (``recipe.Parallelized``)."""
 
     _gradient_sync_blocked: bool = False
-    """True inside ``block_backward_sync``: a batch of an accumulation window but its last."""
+    """True inside ``block_backward_sync`` when the micro-batch keeps its gradients unreduced
+    (``accumulate_unsharded_grads``): a batch of an accumulation window but its last."""
+
+    accumulate_unsharded_grads: bool = False
+    """The strategy's option (``NDParallelStrategy``): skip the reduce-scatter inside an
+    accumulation window (unsharded gradients held) instead of reducing every micro-batch."""
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this for every micro-batch but the last of an accumulation window
         (``_block_parallel_sync_behavior`` in the automatic loop; ``toggle_model`` in manual
-        optimization). FSDP then skips the reduce-scatter / all-reduce; the last micro-batch's
-        backward reduces the accumulated sum once. Under pipeline parallel the schedule sets FSDP's
-        sync per micro-batch itself: ``_gradient_sync_blocked`` tells the pipeline step to keep the
-        step's gradients unreduced (``pipeline_steps``)."""
+        optimization).
+
+        By default the gradients stay sharded: every micro-batch's backward reduce-scatters, and
+        FSDP adds the shard to the one the parameter holds (ZeRO-2/3's and torchtitan's way:
+        k reduce-scatters per window, nothing unsharded held between micro-batches). Only HSDP's
+        all-reduce across replicas waits for the last micro-batch (FSDP keeps the partial sum,
+        sharded). With ``accumulate_unsharded_grads`` FSDP skips the reduce-scatter too: each unit
+        keeps the whole unsharded gradient (fp32) until the last micro-batch's backward reduces the
+        sum once. Under pipeline parallel the schedule sets FSDP's sync itself and reduces at the
+        end of each step: ``_gradient_sync_blocked`` tells the pipeline step to keep the step's
+        gradients unreduced instead (``pipeline_steps``), with ``accumulate_unsharded_grads`` only.
+        """
         module = self.lightning_module
+        if not self.accumulate_unsharded_grads:
+            pipeline = getattr(self, "_pipeline", None) is not None  # torch's stage turns all syncs on itself
+            if not pipeline:
+                set_replica_all_reduce(module, False)
+            try:
+                yield None
+            finally:
+                if not pipeline:
+                    set_replica_all_reduce(module, True)
+            return
         set_gradient_sync(module, False)
         self._gradient_sync_blocked = True
         try:

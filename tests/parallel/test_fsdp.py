@@ -72,9 +72,12 @@ def ranks(tmp_path_factory):
 @pytest.mark.slow  # the module fixture runs 2 processes
 def test_mesh_dimensions(ranks):
     for rank, r in enumerate(ranks):
+        # Only dimensions of size > 1 (and dp_shard, kept for FSDP) are in the world mesh: a size-1
+        # dimension has no process group, and asking for its mesh says so.
         assert r["mesh_dims"] == ["dp_shard"]
         assert r["mesh_sizes"] == {"pp": "no group", "dp_replicate": "no group", "dp_shard": 2, "cp": "no group",
                                    "tp": "no group", "dp": 2, "dp_shard_cp": 2, "dp_cp": 2, "fsdp": 2}
+        # Every name over the same ranks is the same mesh (one group), not a copy.
         assert r["same_mesh"] == {"dp": True, "dp_shard_cp": True, "dp_cp": True, "fsdp": True}
         assert r["dp_rank"] == rank and r["local_ranks"] == {"dp": rank, "tp": 0, "pp": 0}
         assert r["hsdp_fsdp_mesh"] == [["dp_replicate", "dp_shard"], [2, 1]]
@@ -137,3 +140,12 @@ def test_bf16_mixed_computes_in_bf16_keeps_fp32_grads(ranks):
 @pytest.mark.slow  # the module fixture runs 2 processes
 def test_cpu_offload_step(ranks):
     assert ranks[0]["offload_devices"] == ["cpu"]
+
+
+def test_accumulation_mode_is_a_strategy_option_checked_early():
+    from lightning_disttrain.strategies import FSDP2Strategy, NDParallelStrategy
+
+    assert NDParallelStrategy().accumulate_unsharded_grads is False  # default: gradients stay sharded
+    assert FSDP2Strategy(accumulate_unsharded_grads=True).accumulate_unsharded_grads is True
+    with pytest.raises(ValueError, match=r"accumulate_unsharded_grads='yes': use False \(reduce-scatter every"):
+        NDParallelStrategy(accumulate_unsharded_grads="yes")

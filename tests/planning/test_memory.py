@@ -102,3 +102,26 @@ def test_inputs_are_checked_with_the_fix():
         Workload(1024, 8, precision="fp4")
     with pytest.raises(ValueError, match="ep=3 must divide dp_shard\\*cp=8"):
         Layout(dp_shard=8, ep=3)
+
+
+def test_gradient_accumulation_holds_unsharded_gradients_only_when_chosen():
+    shape = ModelShape("m", params=1e9, embedding_params=0, block_params=1.25e8, expert_params=0,
+                       active_params=1e9, n_layer=8, n_embd=4096, n_head=32, vocab=32000, tied=True,
+                       flops_per_token=6e9, seq_len=2048)
+    w, c = Workload(2048, 64, 1, "bf16"), Cluster("H100 SXM", 8)
+    one = memory_per_gpu(shape, Layout(dp_shard=8, zero=3), w, c)
+    # default: every micro-batch reduce-scatters, the gradients stay sharded: accumulation costs nothing
+    assert memory_per_gpu(shape, Layout(dp_shard=8, zero=3), w, c, accumulation=8).total == one.total
+    # accumulate_unsharded_grads: every unit's whole fp32 gradient (4 B/param) instead of the shard (2 B/8)
+    held = memory_per_gpu(shape, Layout(dp_shard=8, zero=3, accumulate_unsharded_grads=True), w, c, accumulation=8)
+    assert held.grads == pytest.approx(4 * 1e9) and one.grads == pytest.approx(2 * 1e9 / 8)
+    assert held.total - one.total == pytest.approx(4e9 - 2e9 / 8)
+    # tensor parallel divides what a rank holds; without accumulation the option changes nothing
+    tp2 = memory_per_gpu(shape, Layout(dp_shard=4, tp=2, zero=3, accumulate_unsharded_grads=True), w, c, accumulation=8)
+    assert tp2.grads == pytest.approx(4 * (1e9 - 32000 * 4096) / 2 + 4 * 32000 * 4096 / 2, rel=1e-3)
+    assert memory_per_gpu(shape, Layout(dp_shard=8, zero=3, accumulate_unsharded_grads=True), w, c).total == one.total
+
+
+def test_unsharded_accumulation_is_an_fsdp_option():
+    with pytest.raises(ValueError, match="accumulate_unsharded_grads=True is an FSDP option"):
+        Layout(dp_replicate=8, zero=0, accumulate_unsharded_grads=True)

@@ -152,9 +152,17 @@ def test_pipeline_with_fsdp_keeps_the_stage_gathered():
     assert m.state == pytest.approx(16 * local / 2)
     receive = 4 * 1024 * 2 * 1024  # rank 0: its output's gradient, per micro-batch
     assert m.buffers == pytest.approx(local * 2 + 100e6 * 4 + receive + 2 * GB)  # stage at bf16, a block's fp32 grad
+    # gradient accumulation: by default every schedule step reduce-scatters, nothing more is held;
+    # with accumulate_unsharded_grads each unit keeps its whole fp32 gradient between the steps
     acc = memory_per_gpu(SHAPE, layout, Workload(1024, 32, precision="bf16"), Cluster("H100 SXM", 8),
                          accumulation=2)
-    assert acc.buffers - m.buffers == pytest.approx(local * 2)  # unsharded gradients between micro-steps
+    assert acc.total == pytest.approx(m.total)
+    unsharded = Layout(dp_shard=2, pp=2, zero=3, pp_microbatches=4, accumulate_unsharded_grads=True)
+    held = memory_per_gpu(SHAPE, unsharded, Workload(1024, 32, precision="bf16"), Cluster("H100 SXM", 8),
+                          accumulation=2)
+    assert held.grads == pytest.approx(local * 4) and held.total - m.total == pytest.approx(local * 4 - m.grads)
+    assert memory_per_gpu(SHAPE, unsharded, Workload(1024, 16, precision="bf16"),
+                          Cluster("H100 SXM", 8)).total == pytest.approx(m.total)  # no accumulation: no change
 
 
 def test_tied_model_is_planned_untied_under_a_pipeline():

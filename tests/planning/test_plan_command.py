@@ -157,3 +157,45 @@ def test_context_parallel_is_suggested_when_the_sequence_leaves_too_little_room(
     assert chosen["degrees"]["cp"] == 2 and chosen["terms_seconds"]["cp"] > 0  # the K/V all-gathers
     assert chosen["memory_gb"]["activations"] == pytest.approx(thin["memory_gb"]["activations"] / 2, rel=0.01)
     assert chosen["memory_gb"]["logits"] == pytest.approx(thin["memory_gb"]["logits"] / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize(("model", "nodes"), [("llama3-8b", 1), ("llama3-70b", 4)])
+def test_recommendation_fits_the_accumulation_mode_it_is_planned_in(model, nodes, capsys):
+    from lightning_disttrain.planning.memory import memory_per_gpu
+
+    args = ["--model", model, "--nodes", str(nodes), "--seq-len", "8192", "--global-batch", "256"]
+    sharded = _plan(args, capsys)
+    unsharded = _plan([*args, "--accumulate-unsharded-grads"], capsys)
+    assert not sharded["workload"]["accumulate_unsharded_grads"] and unsharded["workload"]["accumulate_unsharded_grads"]
+    default = next(x for x in unsharded["layouts"] if x["name"] == sharded["recommendation"])
+    assert default["accumulation"] > 1  # 8B: FSDP2 x8 + AC selective, 32; 70B: FSDP2 x16 + TP 2 + AC full, 16
+    # the sharded recommendation's layout, with its accumulation holding the unsharded fp32 gradients,
+    # does not fit (8B: 8 B of 16 per parameter per GPU more; 70B over tp=2: 140 GB)
+    assert not default["memory_gb"]["fits"]
+    assert unsharded["recommendation"] != sharded["recommendation"]
+    shape = shape_of(config_for(model), 8192, model)
+    cluster, workload = Cluster("H100 SXM", 8, nodes), Workload(8192, 256)
+    for unsharded_grads in (False, True):
+        plan = make_plan(shape, workload, cluster, accumulate_unsharded_grads=unsharded_grads)
+        chosen = plan.chosen
+        assert chosen is not None and chosen.layout.accumulate_unsharded_grads is (unsharded_grads
+                                                                                    and chosen.layout.zero >= 2)
+        # what was checked is the memory of the chosen layout at its own accumulation, in the chosen mode
+        again = memory_per_gpu(shape, chosen.layout, workload, cluster, accumulation=chosen.accumulation)
+        assert again.total == pytest.approx(chosen.memory.total) and again.fits
+
+
+def test_unsharded_accumulation_is_written_and_read_back(tmp_path, capsys):
+    from lightning_disttrain.planning.config_yaml import layout_from_config
+
+    path = tmp_path / "planned.yaml"
+    main(["plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch", "256",
+          "--accumulate-unsharded-grads", "--write-config", str(path)])
+    out = capsys.readouterr().out
+    assert "one reduce-scatter per step, unsharded gradients held" in out
+    cfg = yaml.safe_load(path.read_text())
+    init = cfg["trainer"]["strategy"]["init_args"]
+    assert init["accumulate_unsharded_grads"] is True and cfg["trainer"]["accumulate_grad_batches"] > 1
+    assert NDParallelStrategy(**init).accumulate_unsharded_grads is True
+    layout, _ = layout_from_config(cfg)
+    assert layout.accumulate_unsharded_grads

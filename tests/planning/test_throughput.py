@@ -61,9 +61,13 @@ def test_tensor_parallel_and_fsdp_terms_by_hand():
     # forward and backward, 8 blocks, 8 micro-steps, on NVLink
     assert t.terms["tp"] == pytest.approx(4 * 0.5 * 1024 * 1024 * 2 * 2 * 8 * 8 / INTRA)
     # FSDP over 8 ranks of a 16-GPU job spanning 2 nodes: 450M local parameters all-gathered in
-    # forward and backward of every micro-step (bf16), gradients reduce-scattered once (fp32)
-    dp = (2 * 8 * 450e6 * 7 / 8 * 2 + 450e6 * 7 / 8 * 4) / INTER
-    assert t.terms["dp"] == pytest.approx(max(0.0, dp - compute))
+    # forward and backward of every micro-step (bf16), gradients reduce-scattered (fp32) every
+    # micro-step (the default: they stay sharded), or once with accumulate_unsharded_grads
+    dp = (2 * 8 * 450e6 * 7 / 8 * 2 + 8 * 450e6 * 7 / 8 * 4) / INTER
+    assert dp > compute and t.terms["dp"] == pytest.approx(dp - compute)
+    once = tp.step_terms(DENSE, Layout(dp_shard=8, tp=2, zero=3, accumulate_unsharded_grads=True), w, H100x16,
+                         mfu=0.4, accumulation=8)
+    assert once.terms["dp"] == pytest.approx((2 * 8 * 450e6 * 7 / 8 * 2 + 450e6 * 7 / 8 * 4) / INTER - compute)
     assert t.terms["bubble"] == t.terms["pp"] == t.terms["ep"] == t.terms["recompute"] == 0
     assert t.step_seconds == pytest.approx(sum(t.terms.values()))
     full = tp.step_terms(DENSE, Layout(dp_shard=8, tp=2, zero=3, ac="full"), w, H100x16, 0.4, 8)
@@ -107,3 +111,23 @@ def test_plan_names_the_terms_of_every_usable_layout(capsys):
     text = capsys.readouterr().out
     assert "seconds: compute" in text and "tp " in text and "(compute at 40%)" in text
     assert "links: 450 GB/s per GPU inside a node, 50 GB/s across nodes" in text
+
+
+def test_hsdp_all_reduces_across_nodes_once_per_step_in_either_mode():
+    # HSDP 2 x 8 (shard within a node): the reduce-scatter runs every micro-step by default (once
+    # with accumulate_unsharded_grads), the all-reduce across the 2 nodes once per optimizer step in
+    # both modes. Slow links (10 / 1 GB/s) so that the communication exceeds the compute.
+    w = Workload(1024, 64, 1, "bf16")
+    intra, inter = 10e9 * tp.LINK_EFFICIENCY, 1e9 * tp.LINK_EFFICIENCY
+    local = sum(tp.local_params(DENSE, Layout(dp_replicate=2, dp_shard=8, zero=3)))
+
+    def dp_seconds(unsharded: bool, accumulation: int) -> float:
+        layout = Layout(dp_replicate=2, dp_shard=8, zero=3, accumulate_unsharded_grads=unsharded)
+        t = tp.step_terms(DENSE, layout, w, H100x16, mfu=0.4, accumulation=accumulation, links=(10, 1))
+        assert t.terms["dp"] > 0
+        return t.terms["dp"] + t.terms["compute"]  # the whole dp communication
+
+    gathers, scatter = 2 * 4 * local * 7 / 8 * 2 / intra, local * 7 / 8 * 4 / intra
+    all_reduce = 2 * 0.5 * local / 8 * 4 / inter
+    assert dp_seconds(False, 4) == pytest.approx(gathers + 4 * scatter + all_reduce)
+    assert dp_seconds(True, 4) == pytest.approx(gathers + scatter + all_reduce)

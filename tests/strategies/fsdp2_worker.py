@@ -45,6 +45,8 @@ RUNS = {
     "fsdp2": ("fsdp2", 1),
     "fsdp2_zero2": ("fsdp2_zero2", 1),
     "fsdp2_accum4": ("fsdp2", 4),        # 4 micro-batches of GLOBAL_BATCH/(4*N) per rank
+    "fsdp2_accum4_unsharded": ("fsdp2_unsharded", 4),  # accumulate_unsharded_grads=True
+    "hsdp_accum4": ("ddp_like", 4),      # HSDP 2x1: all-reduce across replicas on the last micro-batch only
     "hsdp": ("hsdp", 1),
     "fsdp2_meta": ("fsdp2_meta", 1),     # empty_init: configure_model on the meta device
     "fsdp2_compile": ("fsdp2_compile", 1),  # compile=True path (eager backend: no C++ toolchain)
@@ -155,6 +157,11 @@ class FlatGPT(RecordedGPT):
         gpt = GPT(self.config)  # the same RNG draws as GPTModule's build: the same initial weights
         self.wte, self.wpe, self.blocks, self.ln_f, self.lm_head = gpt.wte, gpt.wpe, gpt.blocks, gpt.ln_f, gpt.lm_head
 
+    def init_weights(self) -> None:
+        # GPT's own (by parameter name, below the model: the same names here), for the meta-device
+        # build the strategy's default makes on more than one rank.
+        GPT.init_weights(self)
+
     def _net(self) -> torch.nn.Module:
         return self
 
@@ -188,6 +195,8 @@ def _strategy(name: str):
         return NDParallelStrategy(dp_replicate=2, dp_shard=1, tp=2)
     if name == "fsdp2_reshard2":
         return FSDP2Strategy(reshard_after_forward=2)
+    if name == "fsdp2_unsharded":
+        return FSDP2Strategy(accumulate_unsharded_grads=True)
     if name == "fsdp2_meta":
         return FSDP2Strategy(empty_init=True)
     if name == "fsdp2_compile":

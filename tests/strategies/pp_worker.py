@@ -54,8 +54,11 @@ RUNS: dict[str, tuple[dict, int]] = {
     "pp2_fsdp2": (dict(pp=2, dp_shard=2, pp_schedule="1F1B", pp_microbatches=2), 1),  # + MFUMonitor
     "pp2_tp2": (dict(pp=2, tp=2, pp_schedule="1F1B", pp_microbatches=2), 1),
     "pp2_fsdp2_tp2": (dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B", pp_microbatches=4), 1),
-    # pp x FSDP with gradient accumulation (4 ranks): one reduce-scatter per unit per optimizer step
+    # pp x FSDP with gradient accumulation (4 ranks): by default a reduce-scatter per unit at every
+    # schedule step; with accumulate_unsharded_grads one per unit per optimizer step
     "pp2_fsdp2_accum": (dict(pp=2, dp_shard=2, pp_schedule="1F1B", pp_microbatches=2), 2),
+    "pp2_fsdp2_accum_unsharded": (dict(pp=2, dp_shard=2, pp_schedule="1F1B", pp_microbatches=2,
+                                       accumulate_unsharded_grads=True), 2),
     # mixture of experts (MOE): the stage is the model (1F1B), and views of it (interleaved, stage 0
     # without an MoE layer) with gradient accumulation
     "moe_single": ({}, 1),

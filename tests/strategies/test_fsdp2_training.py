@@ -12,8 +12,8 @@ import fsdp2_worker as worker
 from dist_utils import in_this_process
 
 TOL = 1e-5
-TWO_RANK_RUNS = ["fsdp2", "fsdp2_zero2", "fsdp2_accum4", "fsdp2_meta", "fsdp2_compile", "fsdp2_bf16", "flat_fsdp2",
-                 "ddp_like", "fsdp2_untied", "cli_by_name"]
+TWO_RANK_RUNS = ["fsdp2", "fsdp2_zero2", "fsdp2_accum4", "fsdp2_accum4_unsharded", "hsdp_accum4", "fsdp2_meta",
+                 "fsdp2_compile", "fsdp2_bf16", "flat_fsdp2", "ddp_like", "fsdp2_untied", "cli_by_name"]
 FOUR_RANK_RUNS = ["fsdp2", "hsdp", "fsdp2_reshard2", "fsdp2_tp", "hsdp_tp"]
 WORKER, LAUNCH = "fsdp2_worker", {2: TWO_RANK_RUNS, 4: FOUR_RANK_RUNS}  # launched by conftest.py
 
@@ -60,6 +60,8 @@ def test_replicate_only_all_reduces(two):
 
 
 def test_layout_and_sampler(two, four):
+    # The world mesh has the dimensions of size > 1 (and dp_shard, which FSDP wraps over): no
+    # process group for a size-1 dimension. Parameters live on its dp_shard (x dp_replicate) slice.
     for ranks, run, dims, placements, mesh, rows in [
         (two["fsdp2"], "fsdp2", (1, 2), ["S(0)"], ["dp_shard"], 16),
         (four["fsdp2"], "fsdp2", (1, 4), ["S(0)"], ["dp_shard"], 8),
@@ -75,15 +77,24 @@ def test_layout_and_sampler(two, four):
             assert r["sharded_after_validate"]
 
 
-def test_gradient_accumulation_4x1_equals_1x4_and_skips_reduce_scatter(two, single):
-    accum, plain = two["fsdp2_accum4"], two["fsdp2"]
+@pytest.mark.parametrize("run, per_step", [("fsdp2_accum4", 4), ("fsdp2_accum4_unsharded", 1)])
+def test_gradient_accumulation_4x1_equals_1x4(two, single, run, per_step):
+    accum, plain = two[run], two["fsdp2"]
     assert_matches(accum, single)
     for a, p in zip(accum, plain):
         assert a["micro_batches"] == 4 * worker.STEPS and p["micro_batches"] == worker.STEPS
         assert a["losses"] == pytest.approx(p["losses"], abs=TOL)
-        # One reduce-scatter per FSDP unit per OPTIMIZER step, not per micro-batch.
+        # Default: gradients stay sharded, one reduce-scatter per FSDP unit per micro-batch;
+        # accumulate_unsharded_grads: one per OPTIMIZER step (the unsharded gradients held meanwhile).
         assert a["fsdp_units"] == 3  # 2 blocks + the root
-        assert a["reduce_scatters"] == p["reduce_scatters"] == worker.STEPS * 3
+        assert p["reduce_scatters"] == worker.STEPS * 3
+        assert a["reduce_scatters"] == per_step * worker.STEPS * 3
+
+
+def test_hsdp_gradient_accumulation_equals_one_process(two, single):
+    # Sharded accumulation under HSDP (2 replicas of 1 shard): the all-reduce across replicas waits
+    # for the window's last micro-batch, FSDP keeping the partial sum meanwhile.
+    assert_matches(two["hsdp_accum4"], single)
 
 
 def test_gradient_clipping_uses_the_global_norm(two, four, single):

@@ -6,8 +6,9 @@
   balancing bias counts exactly the micro-batches' tokens. 1F1B (the stage is the model itself),
   and Interleaved1F1B with gradient accumulation (two stages per rank, the first without an MoE
   layer). 2 ranks.
-- pp=2 x FSDP over 2 ranks with gradient accumulation 2: FSDP reduce-scatters the gradients once
-  per optimizer step (the window's last batch), not once per batch. 4 ranks.
+- pp=2 x FSDP over 2 ranks with gradient accumulation 2: FSDP reduce-scatters the gradients at
+  every schedule step (gradients stay sharded), or with ``accumulate_unsharded_grads`` once per
+  optimizer step (the window's last batch). 4 ranks.
 
 The runs are ``pp_worker``'s, in the suite's shared launches (conftest.py)."""
 
@@ -19,7 +20,7 @@ import pp_worker as worker
 from dist_utils import in_this_process
 
 MOE_RUNS = ["moe_pp2_1f1b", "moe_pp2_interleaved_accum"]
-WORKER, LAUNCH = "pp_worker", {2: MOE_RUNS, 4: ["pp2_fsdp2_accum"]}  # launched by conftest.py
+WORKER, LAUNCH = "pp_worker", {2: MOE_RUNS, 4: ["pp2_fsdp2_accum", "pp2_fsdp2_accum_unsharded"]}  # conftest.py
 TOL = 1e-5
 
 
@@ -59,13 +60,17 @@ def test_moe_pipeline_trains_the_one_process_objective(ranks, single, run):
 
 
 @pytest.mark.slow
-def test_pipeline_with_accumulation_reduces_gradients_once_per_optimizer_step(ranks, single):
+@pytest.mark.parametrize("run", ["pp2_fsdp2_accum", "pp2_fsdp2_accum_unsharded"])
+def test_pipeline_with_accumulation_reduces_gradients_as_chosen(ranks, single, run):
     reference = single["single_accum"]
-    for r in ranks["pp2_fsdp2_accum"]:
+    for r in ranks[run]:
         counts = r["reduce_scatters"]  # per training batch: 2 batches per optimizer step
         assert len(counts) == 2 * worker.STEPS
-        assert counts[0::2] == [0] * worker.STEPS, counts  # a window's first batch only accumulates
-        assert counts[1] > 0 and counts[1::2] == [counts[1]] * worker.STEPS, counts  # its last reduces
+        assert counts[1] > 0 and counts[1::2] == [counts[1]] * worker.STEPS, counts  # a window's last reduces
+        if run.endswith("unsharded"):
+            assert counts[0::2] == [0] * worker.STEPS, counts  # a window's first batch only accumulates
+        else:
+            assert counts[0::2] == counts[1::2], counts  # every batch reduces: gradients stay sharded
         # ... and the training is that of one process
         assert r["losses"] == pytest.approx(reference["losses"], abs=TOL)
         assert r["val_loss"] == pytest.approx(reference["val_loss"], abs=TOL)
