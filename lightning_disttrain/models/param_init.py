@@ -13,7 +13,8 @@ layout, with or without CPU offload, hold bitwise the same weights (gathered).
 
 Names are the module's own ``named_parameters`` names below the model (``blocks.3.attn.wq.weight``),
 which stay the same when a pipeline split keeps only some blocks. The cost is one full-size draw
-per parameter per rank, one parameter at a time (an embedding of a 7B model: ~0.5 GB, briefly).
+per parameter per rank, one parameter at a time (an embedding of a 7B model: ~0.5 GB, briefly); the
+rank keeps a view of its block of it, so setting a model up holds its shards plus that one draw.
 
 Plain torch, no Lightning.
 """
@@ -84,14 +85,23 @@ def fill_(param: torch.Tensor, name: str, draw: Callable[[torch.Tensor, torch.Ge
     generator = torch.Generator(device=device)
     generator.manual_seed(param_seed(name))
     draw(full, generator)
-    if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        # Each rank keeps its slice of the full tensor; no communication (src_data_rank=None).
-        part = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-    else:
-        part = full
+    part = local_part(full, param) if hasattr(param, "device_mesh") else full
     local.copy_(part.to(local.device))
+
+
+def local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full``, the whole value of the DTensor ``param``; no communication.
+
+    A view when the shard is one block of the full tensor (``Shard`` / ``Replicate`` placements:
+    FSDP2, TP, HSDP), so keeping it costs no copy (a rank then holds its shards plus one full
+    parameter at most); else ``distribute_tensor``'s copy (strided shards of FSDP x TP on one dim).
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if all(type(p) in (Shard, Replicate) for p in param.placements):
+        chunk = param.__create_chunk_list__()[0]  # this rank's block: offsets and sizes per dim
+        return full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))]
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
 def normal_(param: torch.Tensor, name: str, std: float, mean: float = 0.0) -> None:

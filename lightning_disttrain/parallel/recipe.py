@@ -1,7 +1,7 @@
 """The one place where a model is parallelized: every step, in its fixed order, with its reason.
 
 ``parallelize`` is what ``NDParallelStrategy.setup`` runs once ``configure_model`` has built the
-model (on the meta device with ``empty_init``): the precision cast, the pipeline split, the
+model (on the meta device with ``empty_init``, by default whenever more than one rank shares it): the precision cast, the pipeline split, the
 initial weights, every transform (float8 swap, TP, EP, activation checkpointing, compile, FSDP2),
 the sharded initialisation and the move to the device. Read it top to bottom; the strategy only
 supplies the pieces that need its state (``Host``) and the settings of each parallelism.
@@ -19,7 +19,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from lightning_disttrain.models.param_init import layout_independent_init
 from lightning_disttrain.parallel.fsdp import already_parallelized, apply_fsdp, check_tied_units, fsdp_root
-from lightning_disttrain.parallel.materialize import check_ties, dtensor_rng_supported, has_meta_tensors, tied_parameters
+from lightning_disttrain.parallel.materialize import (
+    check_ties,
+    dtensor_rng_supported,
+    has_meta_tensors,
+    has_own_init,
+    tied_parameters,
+)
 from lightning_disttrain.parallel.plan import ParallelPlan, find_parallel_plan
 from lightning_disttrain.parallel.tensor import TensorParallelOptions, apply_tp
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
@@ -149,13 +155,16 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
     if pipeline is not None:
         done.steps.append(pipeline.summary)
     # 2. initial weights. A layout-independent initialisation (GPT: a generator per parameter
-    #    name) runs after sharding (step 10), each rank drawing only what it keeps; so do
-    #    initialisers on DTensor shards where DTensor's RNG makes a shard the slice of one full
-    #    random tensor (CUDA-like meshes). Anything else is materialised whole first, then
-    #    sharded; an eagerly built module starts from rank 0's weights (as DDP does).
+    #    name) runs after sharding (step 9), each rank drawing only what it keeps, nothing
+    #    broadcast; so do initialisers that run per submodule (reset_parameters: one submodule's
+    #    full tensors at a time, broadcast and sliced) and initialisers on DTensor shards where
+    #    DTensor's RNG makes a shard the slice of one full random tensor (CUDA-like meshes). Only
+    #    a module with an init_weights() of its own, which writes everything at once, is
+    #    materialised whole first, then sharded; an eagerly built module starts from rank 0's
+    #    weights (as DDP does), broadcast one tensor at a time.
     on_meta = has_meta_tensors(module)
     sharded_init = on_meta and (bool(done.self_sharded) or layout_independent_init(module)
-                                or (mesh is not None and dtensor_rng_supported(mesh)))
+                                or not has_own_init(module) or (mesh is not None and dtensor_rng_supported(mesh)))
     if on_meta and not sharded_init and host.materialize is not None:
         host.materialize(module)
     elif not on_meta and not done.self_sharded and host.sync_initial_weights is not None:

@@ -158,3 +158,27 @@ def test_init_weights_without_meta_is_a_plain_reinitialisation():
     before = module.emb.weight.detach().clone()
     init_weights(module)
     assert not torch.equal(before, module.emb.weight) and module.head.weight is module.emb.weight
+
+
+def test_materialising_leaves_torchmetrics_states_alone():
+    # to_empty on the whole LightningModule reached its torchmetrics Metrics, whose _apply replaced
+    # their states and the defaults reset() restores with torch.empty memory: validation losses
+    # were garbage (differently on every run) once the meta device became the default (issue 38).
+    from torchmetrics import MeanMetric
+
+    class WithMetric(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.metric = MeanMetric()
+
+    with torch.device("meta"):
+        module = WithMetric()
+    module.metric = MeanMetric()  # built outside the meta build, as a LightningModule's __init__ does
+    state = module.metric.mean_value
+    materialize_(module, device="cpu")
+    assert module.metric.mean_value is state and torch.equal(state, torch.tensor(0.0))
+    module.metric.update(torch.tensor(2.0))
+    module.metric.reset()
+    module.metric.update(torch.tensor(3.0))
+    assert module.metric.compute() == 3.0

@@ -1,10 +1,11 @@
-"""Initial weights under every layout and shipped config, built on the meta device (``empty_init``):
+"""Initial weights under every layout and shipped config, built on the meta device (``empty_init``;
+the shipped configs with the strategy's default, which builds GPTModule there):
 each rank writes the full tensors it can see at ``on_train_start`` (``init/RUN.rankR.pt``) and the
 losses of the first steps; ``tests/strategies/test_layout_independent_init.py`` compares them with
 one eager process.
 
 Runs named ``config-<name>`` take the strategy, precision and model of ``configs/<name>.yaml``
-(with ``empty_init=True``, 2 ranks, this file's tiny vocabulary and random tokens; the 124M model
+(with the strategy's default ``empty_init``, 2 ranks, this file's tiny vocabulary and random tokens; the 124M model
 of ``gpt2-124m-fineweb`` shrinks to ``tiny`` on CPU). The others are layouts the configs do not
 cover: CPU offload, interleaved pipeline, HSDP, and 2-D / 3-D combinations on 4 ranks.
 """
@@ -56,7 +57,8 @@ def _class(path: str):
 
 
 def config_layout(name: str) -> tuple[object, str, dict, dict]:
-    """(strategy, preset, model overrides, trainer kwargs) of ``configs/<name>.yaml`` with empty_init."""
+    """(strategy, preset, model overrides, trainer kwargs) of ``configs/<name>.yaml``, as shipped: the
+    strategy's default empty_init (the meta device on more than one rank)."""
     spec = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
     trainer, model = spec["trainer"], spec["model"]["init_args"]
     strategy = trainer.get("strategy", "auto")
@@ -64,12 +66,12 @@ def config_layout(name: str) -> tuple[object, str, dict, dict]:
         from lightning.pytorch.strategies import StrategyRegistry
 
         entry = StrategyRegistry[strategy]
-        strategy = entry["strategy"](**{**entry["init_params"], "empty_init": True})
+        strategy = entry["strategy"](**entry["init_params"])
     else:
         # fault_tolerance joins replica groups through a lighthouse; the layout inside a group,
         # which is what initialises the weights, is the rest of the arguments.
         init_args = {k: v for k, v in strategy.get("init_args", {}).items() if k != "fault_tolerance"}
-        strategy = _class(strategy["class_path"])(**{**init_args, "empty_init": True})
+        strategy = _class(strategy["class_path"])(**init_args)
     preset = model.get("config", "tiny")
     preset = "tiny" if preset not in ("tiny", "tiny-moe") else preset  # gpt2-124m: too large for CPU tests
     kwargs = {"precision": trainer.get("precision", "32-true")}
