@@ -13,7 +13,9 @@ a multi-process run is printed once, last, by rank 0 (see ``rank_errors.py``). `
 adds the tracebacks. A config the parser refuses (an unknown key, a ``class_path`` that does not
 import) is one ``error:`` line with a "did you mean" where one is close, not the usage text; an
 unknown strategy name suggests ours. ``prepare``/``export``/``plan``/``eval`` report an expected
-failure (a missing or corrupt checkpoint, a bad path or value) as ``error: <command>: <message>``.
+failure (a missing or corrupt checkpoint, a bad path or value) as ``error: <command>: <message>``,
+exit status 2; so does every command for a ``--ckpt_path`` / ``eval`` file that is not a checkpoint
+(one line, the same for each: ``checkpoint.safe_load.check_checkpoint_file``).
 ``ft-lighthouse`` / ``ft-local`` start fault-tolerant replica groups (``fault_tolerance/command.py``).
 ``LDT_DEBUG=1`` (or ``LDT_TRACEBACK=1``) restores the full text and the tracebacks.
 """
@@ -192,6 +194,46 @@ class DistTrainCLI(LightningCLI):
         every = LightningCLI.subcommands()
         only = self._only_subcommand
         return {only: every[only]} if only in every else every
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """LightningCLI's parsing, then a ``--ckpt_path FILE`` checked before LightningCLI reads its
+        hyper-parameters with ``torch.load``: a file that is not a checkpoint is one line, exit status
+        2 (``check_checkpoint_file``: the same line as ``eval``'s), not torch's traceback advising
+        ``weights_only=False``. A directory (DCP) or a name (``last``, ``auto``) is the restore's."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand") if hasattr(self.config, "get") else None
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and os.path.isfile(ckpt_path):
+            from lightning_disttrain.checkpoint.safe_load import NotACheckpointError, check_checkpoint_file
+
+            try:
+                check_checkpoint_file(ckpt_path)
+            except NotACheckpointError as err:
+                if debug_enabled():
+                    raise
+                sys.stderr.write(f"error: {subcommand}: {err}\n")
+                raise SystemExit(2) from None
+
+    def before_test(self) -> None:
+        self._require_dataloader("test")
+
+    def before_predict(self) -> None:
+        self._require_dataloader("predict")
+
+    def _require_dataloader(self, stage: str) -> None:
+        """``test``/``predict`` with a data module that has no such split (``TokenDataModule`` has
+        train and validation only): one line naming what does evaluate it, before any process starts,
+        instead of Lightning's traceback from inside the run."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        data = self.datamodule
+        if isinstance(data, L.LightningDataModule) and not is_overridden(f"{stage}_dataloader", data,
+                                                                         L.LightningDataModule):
+            sys.stderr.write(f"error: {stage}: {type(data).__name__} has no {stage} split (no {stage}_dataloader); "
+                             f"`lightning-disttrain validate` with this config evaluates its validation set, "
+                             f"`lightning-disttrain eval CKPT` zero-shot tasks and held-out loss; or set data.class_path "
+                             f"to a data module with a {stage}_dataloader\n")
+            raise SystemExit(2)
 
     def before_instantiate_classes(self) -> None:
         # Wrap LightningCLI's model/data instantiators (they record hyper-parameters, so they must

@@ -60,7 +60,9 @@ Resume: ``trainer.fit(..., ckpt_path="last")`` finds ``last.ckpt`` and the DCP s
 resolve it to the newest checkpoint in its directory that verifies. ``ckpt_path="auto"`` (with this
 callback in the Trainer) takes the newest complete checkpoint in this callback's and every
 ``ModelCheckpoint``'s directory, or starts from scratch when there is none: the same command for
-the first launch and every relaunch, with or without ``last.ckpt``. Outside ``fit``,
+the first launch and every relaunch, with or without ``last.ckpt``. ``validate``/``test``/``predict``
+with ``ckpt_path="auto"`` evaluate that checkpoint, or with none the model as built, and say which
+(``auto_resume_path``). Outside the Trainer,
 ``PreemptionCheckpoint.resume_path(dirpath)`` gives the same answer for one directory.
 
 A checkpoint that cannot be written (disk full) during the preemption save: the previous complete
@@ -327,8 +329,8 @@ class PreemptionCheckpoint(Callback):
             if comm.is_distributed() and trainer.world_size > 1:
                 self._flag_group = comm.host_group()  # collective: every rank's setup runs here
             self._take_over_lightnings_handlers(trainer)
-            if self.save:
-                self._resolve_auto_on_restore(trainer)
+        if self.save:  # every stage: `validate/test/predict --config X.yaml` with X's ckpt_path: auto
+            self._resolve_auto_on_restore(trainer)
 
     def _resolve_auto_on_restore(self, trainer: pl.Trainer) -> None:
         # Lightning passes ckpt_path="auto" through unchanged (not one of its names) to the restore,
@@ -342,13 +344,17 @@ class PreemptionCheckpoint(Callback):
 
     def auto_resume_path(self, trainer: pl.Trainer) -> str | None:
         """What ``ckpt_path="auto"`` loads: the newest complete checkpoint in this callback's and every
-        ModelCheckpoint's directory (files for Lightning's own strategies), or None."""
+        ModelCheckpoint's directory (files for Lightning's own strategies), or None.
+
+        In ``fit`` that resumes training, or starts it from scratch. In ``validate``/``test``/``predict``
+        the checkpoint's weights are evaluated; with none, the model as built (its initial weights),
+        as Lightning does for ``ckpt_path=None`` or a ``"last"`` that does not exist yet, with one line
+        saying so: a shipped config (``ckpt_path: auto``) runs as written under every subcommand."""
         dirs = list(dict.fromkeys([self.dirpath or self._default_dirpath(trainer)] + [
             str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]))
         found = _newest_complete(dirs, files=not _saves_directories(trainer))
         if trainer.is_global_zero:
-            log.warning("ckpt_path='auto': %s", f"resuming from {found}" if found else
-                        f"no complete checkpoint in {', '.join(dirs)}; starting from scratch")
+            log.warning("ckpt_path='auto': %s", _auto_message(trainer.state.fn, found, dirs))
         return found
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -602,6 +608,18 @@ class PreemptionCheckpoint(Callback):
 
         found = find_latest_checkpoint(dirpath)
         return None if found is None else str(found)
+
+
+def _auto_message(fn: Any, found: str | None, dirs: list[str]) -> str:
+    """The line ``ckpt_path="auto"`` logs, in the words of the trainer function that asked."""
+    fn = getattr(fn, "value", fn)
+    if fn in (None, TrainerFn.FITTING.value):
+        return f"resuming from {found}" if found else f"no complete checkpoint in {', '.join(dirs)}; starting from scratch"
+    verb = {TrainerFn.VALIDATING.value: "validating", TrainerFn.TESTING.value: "testing"}.get(fn, "predicting with")
+    if found:
+        return f"{verb} {found}, the newest complete checkpoint"
+    return (f"no complete checkpoint in {', '.join(dirs)}; {verb} the model as built (its initial weights); "
+            f"to {fn} a checkpoint, pass --ckpt_path PATH (Python: ckpt_path=PATH)")
 
 
 def _newest_complete(dirs, files: bool) -> str | None:

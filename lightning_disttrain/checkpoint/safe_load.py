@@ -14,6 +14,11 @@ The readers here close both:
 
 ``reader_for(path, trust_checkpoint=True)`` gives torch's own readers back, for checkpoints the
 user says they trust (``--trust-checkpoint`` / ``trust_checkpoint=True``).
+
+``check_checkpoint_file`` is the one answer every command gives for a file that is not a
+checkpoint (``fit``/``validate``/``test``/``predict --ckpt_path FILE``, ``eval FILE``): one line
+that says so, never torch's advice to retry with ``weights_only=False`` (which would run whatever
+code the file holds).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +64,45 @@ class UntrustedCheckpointError(ValueError):
         self.path, self.what = str(path), what
         super().__init__(f"refusing to load {self.path!r}: {what}, which loading a checkpoint never needs and "
                          f"which could run code from the file; {TRUST_HINT}")
+
+
+class NotACheckpointError(ValueError):
+    """A file given as a checkpoint that the weights-only loader cannot read (``check_checkpoint_file``)."""
+
+    def __init__(self, path: str | os.PathLike, why: str) -> None:
+        self.path, self.why = str(path), why
+        super().__init__(f"{self.path!r} is not a checkpoint: {why}; pass a checkpoint saved by "
+                         f"`lightning-disttrain fit` or a file written by `lightning-disttrain export`")
+
+
+def check_checkpoint_file(path: str | os.PathLike) -> None:
+    """Raise ``NotACheckpointError`` unless ``torch.load(path, weights_only=True)`` reads ``path``.
+
+    Called before anything else loads the file, so that the error is ours (one line, the same for
+    every command) rather than torch's, which tells the user to unpickle the file with
+    ``weights_only=False``. A zip checkpoint (torch's format since 1.6) is read with ``mmap=True``:
+    only its pickle is read here, not its tensors, so the later real load is not paid twice."""
+    mmap = zipfile.is_zipfile(path)
+    try:
+        with warnings.catch_warnings():  # the weights-only unpickler's "please file an issue" on any pickle
+            warnings.simplefilter("ignore")
+            torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        text = str(err)
+        if "WeightsUnpickler error:" in text:
+            # The refusal's first sentence ("Unsupported global: GLOBAL builtins.object was not an
+            # allowed global by default"), without torch's advice on how to allow it.
+            detail = next((line for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() if line.strip()),
+                          "").strip().split(". ")[0]
+            if detail.startswith("Unsupported operand"):  # a pickle torch.save never writes, or no pickle
+                raise NotACheckpointError(path, "it is not a file written by torch.save") from None
+            raise NotACheckpointError(path, "it holds more than tensors and plain data, and loading never "
+                                            f"unpickles anything else (it could run code){f': {detail}' if detail else ''}"
+                                      ) from None
+        raise NotACheckpointError(path, "it is not a file written by torch.save") from None
+    except (EOFError, KeyError, RuntimeError, ValueError, zipfile.BadZipFile, UnicodeDecodeError):
+        empty = os.path.getsize(path) == 0
+        raise NotACheckpointError(path, "it is empty" if empty else "it is not a file written by torch.save") from None
 
 
 class MetadataUnpickler(pickle.Unpickler):

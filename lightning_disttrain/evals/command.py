@@ -11,6 +11,9 @@ consolidated weights, the strategy shards them, and the items are split across t
 ``CheckpointEval``. The evaluation runs from a callback at the start of a one-batch
 ``trainer.validate`` (the first point where Lightning has set the strategy up).
 
+Errors (a bad path, task or file; a file that is not a checkpoint, said in the same line as
+``--ckpt_path`` of the other commands): ``error: eval: <message>``, exit status 2.
+
 Results: a table, ``--output FILE.json`` (metrics, items, seconds per task), and with
 ``--write-into-checkpoint`` the checkpoint's ``evals.json`` (listed in its manifest).
 """
@@ -21,6 +24,7 @@ import argparse
 import inspect
 import json
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -90,6 +94,7 @@ def load_module(path: Path, trust_checkpoint: bool = False) -> tuple[Any, dict[s
     from lightning_disttrain.checkpoint.consolidate import DEFAULT_PREFIX, _read_dcp, read_exported, strip_prefix
     from lightning_disttrain.checkpoint.dcp_io import MODEL_KEY, load_meta
     from lightning_disttrain.checkpoint.manifest import verify_checkpoint
+    from lightning_disttrain.checkpoint.safe_load import check_checkpoint_file
     from lightning_disttrain.module import GPTModule
 
     with warnings.catch_warnings():
@@ -104,6 +109,7 @@ def load_module(path: Path, trust_checkpoint: bool = False) -> tuple[Any, dict[s
             state = strip_prefix(_read_dcp(path, {MODEL_KEY}, trust_checkpoint)[MODEL_KEY], DEFAULT_PREFIX)
             data_hparams = dict(meta.get("datamodule_hyper_parameters") or {})
         else:
+            check_checkpoint_file(path)  # not a checkpoint: the line every command gives, no unpickling advice
             exported = read_exported(path, prefix=DEFAULT_PREFIX)
             if exported.model_config is None:
                 raise ValueError(f"{str(path)!r} carries no model config; re-export it with `lightning-disttrain export`")
@@ -184,6 +190,18 @@ class _RunSuite(L.Callback):
         self.results = self.suite.run_module(pl_module, trainer, tokenizer=self.tokenizer)
 
 
+class EvalError(SystemExit):
+    """The command's failure: its line is printed to stderr, the exit status is 2 (as for ``export``,
+    ``plan``, ``prepare`` and a configuration error); ``str()`` is that line, for callers from Python."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(2)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
 def eval_main(argv: Sequence[str] | None = None) -> EvalResults | None:
     args = build_parser().parse_args(argv)
     try:
@@ -193,7 +211,9 @@ def eval_main(argv: Sequence[str] | None = None) -> EvalResults | None:
             raise SystemExit(1) from None  # rank 0 meets the same error and reports it, once
         if os.environ.get("LDT_DEBUG", "0") not in ("", "0"):
             raise
-        raise SystemExit(f"error: eval: {err}") from None  # printed by Python, exit status 1
+        line = f"error: eval: {err}"
+        print(line, file=sys.stderr, flush=True)
+        raise EvalError(line) from None
 
 
 def _launched_rank() -> bool:

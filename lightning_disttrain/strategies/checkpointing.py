@@ -299,7 +299,8 @@ class DCPCheckpointMixin:
                                  f"({why}); pass ckpt_path=None to start from scratch, or the path of a "
                                  f"checkpoint saved elsewhere")
             chosen = next(c for c in candidates if c.resolved == found)
-            rank_zero_info(f"Resuming from {chosen.describe()}, the newest complete checkpoint beside {str(path)!r}")
+            verb = "Resuming from" if self._fitting() else "Loading"  # validate/test/predict resume nothing
+            rank_zero_info(f"{verb} {chosen.describe()}, the newest complete checkpoint beside {str(path)!r}")
             return found
         if path.is_file():
             raise ValueError(f"{str(path)!r} is a file, but {type(self).__name__} saves and loads checkpoint "
