@@ -98,6 +98,13 @@ def refuse_real_values_on_meta(owner: str) -> contextlib.AbstractContextManager:
 
 def _storage_key(t: torch.Tensor) -> int | None:
     local = torch_compat.local_tensor(t)  # a DTensor's shard on this rank
+    # A wrapper tensor subclass (torchao's float8 weight under FSDP) has no storage of its own: its
+    # first inner tensor's is where an in-place op on it writes.
+    while hasattr(type(local), "__tensor_flatten__"):
+        inner, _ = local.__tensor_flatten__()
+        if not inner:
+            return None
+        local = torch_compat.local_tensor(getattr(local, inner[0]))
     if local.is_meta or local.numel() == 0:
         return None
     return local.untyped_storage().data_ptr()
