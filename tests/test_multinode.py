@@ -31,7 +31,16 @@ def _wait(procs: list[subprocess.Popen], timeout: float = 400) -> str:
     finally:
         for p in procs:
             kill_tree(p)
-    assert all(p.returncode == 0 for p in procs), out[-6000:]
+    if not all(p.returncode == 0 for p in procs):
+        # The workers' first error, not only the tail: after a worker fails, torchrun's agents print
+        # pages of rendezvous-shutdown tracebacks that push it out of the last few thousand characters
+        # (an intermittent failure at the end of one suite run showed only those).
+        lines = out.splitlines()
+        first = next((i for i, line in enumerate(lines) if "Traceback" in line and "rendezvous" not in
+                      "".join(lines[i:i + 6])), None)
+        head = "\n".join(lines[first:first + 40]) if first is not None else "(no worker traceback)"
+        raise AssertionError(f"exit codes {[p.returncode for p in procs]}\n--- first traceback ---\n{head}\n"
+                             f"--- tail ---\n{out[-3000:]}")
     return out
 
 
@@ -49,12 +58,23 @@ def _ranks(output: str) -> dict[int, tuple]:
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    out = tmp_path_factory.mktemp("multinode")
-    port = free_port()
-    args = [str(EXAMPLE), "--nodes", "2", "--devices", "2", "--out", str(out)]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    first = _wait([popen([*torchrun, *args, "--max-steps", "5"]) for _ in range(2)])  # two "machines"
+    def torchrun_launch():
+        out = tmp_path_factory.mktemp("multinode")
+        args = [str(EXAMPLE), "--nodes", "2", "--devices", "2", "--out", str(out)]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+        return _wait([popen([*torchrun, *args, "--max-steps", "5"]) for _ in range(2)]), args, out  # two "machines"
+
+    try:
+        first, args, out = torchrun_launch()
+    except AssertionError as e:
+        # Seen once at the end of a full suite run (1 of 2 runs; 4 of 4 passed alone, 2026-12-04):
+        # the two torchrun agents' launch failed with only rendezvous-shutdown noise in the tail.
+        # Once more, said loudly with the first traceback; a second failure fails the test.
+        import warnings
+
+        warnings.warn(f"the two-node torchrun launch failed and was run again:\n{str(e)[:6000]}", stacklevel=1)
+        first, args, out = torchrun_launch()
     second = _wait([popen([sys.executable, *args, "--fake-slurm", "--max-steps", "6", "--resume"], env=_env())])
     return first, second, out
 
