@@ -297,6 +297,23 @@ PRIVATES: tuple[Private, ...] = (
             "the redistribution plans cached per (mesh, placements): cleared with the groups, as above",
             "none in torch 2.13",
             lambda: _resolve("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear")),
+    Private("torch.distributed.tensor._redistribute:clear_redistribute_planner_cache",
+            "the redistribution planners cached per (weak mesh, tensor meta): each planner holds its mesh, "
+            "and the mesh its process groups, so a destroyed group's gloo threads (or NCCL communicator) "
+            "outlived it; cleared with the groups",
+            "none in torch 2.13",
+            lambda: _resolve("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache")),
+    Private("torch.distributed.tensor._sharding_prop:ShardingPropagator._propagate_tensor_meta_cached",
+            "the output metadata cached per operator schema (an lru_cache on the class: its keys hold specs, "
+            "specs their mesh, the mesh its groups): cleared with the groups, as above",
+            "none in torch 2.13",
+            lambda: _resolve("torch.distributed.tensor._sharding_prop",
+                             "ShardingPropagator._propagate_tensor_meta_cached.cache_clear")),
+    Private("torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh",
+            "the mesh topologies cached per mesh (an lru_cache that holds the mesh and so its groups): "
+            "cleared with the groups, as above",
+            "none in torch 2.13",
+            lambda: _resolve("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear")),
     # -- collectives --
     Private("torch.distributed._functional_collectives",
             "collectives autograd flows through (all_to_all_single for experts, all_gather for context parallel)",
@@ -540,13 +557,40 @@ def alias_mesh(mesh: Any, name: str) -> Any:
     return view
 
 
-def clear_mesh_caches() -> None:
+def _run_in_backward_thread(fn: Callable[[], Any], device_type: str) -> None:
+    """Run ``fn`` in the thread autograd runs ``device_type``'s backward in. The Python sharding
+    cache is per thread; on an accelerator, backward runs in autograd's thread for that device, whose
+    cache holds the backward ops' specs (on the CPU it is the calling thread: ``fn`` runs here)."""
+
+    class _Call(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            fn()
+            return grad
+
+    x = torch.zeros((), device=torch.device(device_type), requires_grad=True)
+    _Call.apply(x).backward()
+
+
+def clear_mesh_caches(device_type: str = "cpu") -> None:
     """Empty torch's caches whose keys or values hold device meshes: DTensor's sharding propagation
-    (Python's, this thread's, and the C++ fast path's) and the redistribution plans. A mesh equals any other
+    (Python's, this thread's, and the C++ fast path's), the redistribution plans and planners, and the
+    mesh topologies. A mesh equals any other
     over the same layout and names, whatever its process groups, so after a layout's groups are
     destroyed a later mesh of that layout would be handed entries holding the destroyed one."""
-    _get("torch.distributed.tensor.debug:_clear_sharding_prop_cache")()  # this thread's, and C++'s
+    clear = _get("torch.distributed.tensor.debug:_clear_sharding_prop_cache")  # this thread's, and C++'s
+    clear()
+    _run_in_backward_thread(clear, device_type)  # the per-thread cache of the thread backward runs in
     _get("torch.distributed.tensor._redistribute:_gen_transform_infos")()
+    _get("torch.distributed.tensor._sharding_prop:ShardingPropagator._propagate_tensor_meta_cached")()
+    # These two hold meshes as values, and a mesh holds its process groups (``_pg_registry``): a
+    # destroyed group stayed alive through them, with its threads (measured: 3 per gloo group).
+    _get("torch.distributed.tensor._redistribute:clear_redistribute_planner_cache")()
+    _get("torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh")()
 
 
 # -- collectives and gradients ----------------------------------------------------------------

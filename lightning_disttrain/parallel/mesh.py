@@ -41,7 +41,7 @@ class _MeshSet:
     def __init__(self, device_type: str, names: tuple[str, ...], sizes: tuple[int, ...], key: tuple) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.key = key
+        self.key, self.device_type = key, device_type
         self.groups: list = []
         self.by_dims: dict[tuple[str, ...], DeviceMesh] = {}
         self.meshes: dict[str, DeviceMesh] = {"world": self.track(init_device_mesh(device_type, sizes,
@@ -57,7 +57,9 @@ class _MeshSet:
         for group in self.groups:
             torch.distributed.destroy_process_group(group)
         self.groups, self.by_dims, self.meshes = [], {}, {}
-        torch_compat.clear_mesh_caches()
+        # torch's caches hold meshes (and so their groups, gloo's threads or an NCCL communicator)
+        # until cleared, and would hand a later, equal mesh this one's entries
+        torch_compat.clear_mesh_caches(self.device_type)
 
 
 # Layout -> its meshes, for the life of the default process group: a second ParallelDims of the

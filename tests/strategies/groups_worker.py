@@ -2,8 +2,8 @@
 
 Three fits of different layouts (FSDP2, TP, HSDP), each with a new Trainer and module, as a notebook
 or a sweep would; then ``release_all_meshes()``: the process's groups must be back where they were
-before the first fit (its threads are recorded: gloo's threads of a destroyed group outlived it here,
-held outside Python). A fourth fit of a layout whose groups were destroyed must train
+before the first fit, and its threads too (gloo's threads end with their group, once torch's DTensor
+caches no longer hold its mesh). A fourth fit of a layout whose groups were destroyed must train
 exactly as the same layout did before (torch caches specs by mesh equality: a stale mesh would
 resolve a destroyed group). A fifth fit of that layout without a release reuses its meshes: no new
 group.
