@@ -94,6 +94,12 @@ class GPTModule(L.LightningModule):
     """``init_weights`` draws each weight from a generator of its own (``models.param_init``), so
     strategies may initialise it after sharding and get the one-process weights under any layout."""
 
+    independent_training_streams = True
+    """This package's random-stream policy (``parallel.rng``): at setup the strategy restarts each
+    rank's global generators from (seed, data-parallel rank, pipeline rank), so data-parallel ranks
+    and pipeline stages draw independent dropout masks. A module without it keeps the streams as
+    Lightning's strategies leave them."""
+
     def __init__(
         self,
         config: str | GPTConfig = "tiny",

@@ -12,6 +12,19 @@
 - ``DDPStrategy(...)``: data parallel; here FSDP2 replicates over every rank (``dp_replicate``),
   which is DDP's arithmetic (one all-reduce of the gradients per step).
 
+Random numbers are Lightning's (issue 40): a module that declares none of this package's policies
+sees the global generators at every hook (``configure_model``, ``on_fit_start``,
+``on_train_start``, the first step) where Lightning's strategy leaves them, on every rank, so an
+``init_weights()`` in ``on_train_start`` or in the first step draws the same numbers. Under
+``ModelParallelStrategy`` a meta-device build is materialised as Lightning's is (``to_empty``, each
+submodule's ``reset_parameters()`` on the global generator); under ``FSDPStrategy`` it is not
+(this package's materialisation draws nothing from them, where FSDP1 calls ``reset_parameters()``
+per unit on full tensors; an eager build draws nothing at setup under either). Ranks that were not
+seeded alike get rank 0's streams at setup (``parallel.rng.agree_on_streams``), so replicas agree.
+The package's own policies are declared on the module: ``layout_independent_init = True`` (weights by parameter name,
+``models.param_init``) and ``independent_training_streams = True`` (per-rank dropout streams,
+``parallel.rng``); ``GPTModule`` declares both.
+
 Import the class from ``lightning_disttrain.strategies`` instead of ``lightning.pytorch.strategies``
 (or change the ``class_path`` in YAML); README, "Moving from Lightning's strategies", has the table.
 """
@@ -19,13 +32,19 @@ Import the class from ``lightning_disttrain.strategies`` instead of ``lightning.
 from __future__ import annotations
 
 import inspect
+import itertools
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
+import torch
 import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
 
+from lightning_disttrain.models.param_init import layout_independent_init
 from lightning_disttrain.parallel.activation import apply_activation_checkpointing
+from lightning_disttrain.parallel.materialize import materialize_
 from lightning_disttrain.parallel.mesh import ParallelDims
 from lightning_disttrain.parallel.plan import as_block_list, find_blocks
 from lightning_disttrain.parallel.transforms import TransformContext
@@ -98,6 +117,38 @@ class ModelParallelStrategy(NDParallelStrategy):
     def _mesh_needs(self) -> dict[str, tuple[str, ...]]:
         # Lightning's ModelParallelStrategy mesh: both names, size 1 included, whatever the module.
         return {"keep": ("dp_shard", "tp"), "aliases": ("data_parallel", "tensor_parallel")}
+
+    def _materialize(self, module: nn.Module) -> None:
+        """A meta-device build (``trainer.init_module(empty_init=True)``) is materialised as
+        Lightning's strategy does it, unless the module declares ``layout_independent_init``
+        (then this package's initialisation, by parameter name): ``to_empty``, then every
+        submodule's ``reset_parameters()`` drawing from the global generator on each rank's own
+        shards. The weights and, above all, the place in the global streams where the module's
+        later hooks draw (an ``init_weights()`` in ``on_train_start``) are then Lightning's (issue 40)."""
+        if layout_independent_init(module):
+            super()._materialize(module)
+            return
+        sharded = any(isinstance(p, DTensor) for p in module.parameters())
+        device = torch.device("cpu") if (sharded and self.cpu_offload) else self.root_device  # as the mixin's
+        materialize_(module, device, buffer_device=self.root_device, init=_reset_as_lightning)
+
+
+def _reset_as_lightning(module: nn.Module) -> None:
+    """Lightning's ``_materialize_distributed_module`` after ``to_empty``: each submodule that owns
+    a parameter or buffer calls its ``reset_parameters()``, in ``modules()`` order, unseeded; those
+    without one are named in a warning (their memory is left uninitialised, as there)."""
+    missing = set()
+    for sub in module.modules():
+        if next(itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False)), None) is None:
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            missing.add(type(sub).__name__)
+    if missing:
+        rank_zero_warn(f"Parameter initialization incomplete: {', '.join(sorted(missing))} have no reset_parameters(); "
+                       f"initialise them in a hook (on_train_start...) or give them one")
 
 
 _SHARDING = {

@@ -65,7 +65,7 @@ from lightning_disttrain.parallel.recipe import (
     parallelize,
     tp_plan_missing,
 )
-from lightning_disttrain.parallel.rng import seed_training_streams
+from lightning_disttrain.parallel.rng import agree_on_streams, declares_training_streams, seed_training_streams
 from lightning_disttrain.parallel.tensor import TensorParallelOptions, enable_async_tp
 from lightning_disttrain.parallel.transforms import TransformContext, TransformRegistry
 from lightning_disttrain.strategies.checkpointing import DCPCheckpointMixin
@@ -336,13 +336,19 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
         module = self.lightning_module
         assert module is not None
         if not getattr(module, "_ldt_parallelized", False):  # a later validate/test reuses it
+            # Random streams (parallel/rng.py): a module that declares them (GPTModule) gets dropout
+            # independent across data-parallel ranks and pipeline stages, one stream per TP group; any
+            # other keeps them as Lightning's strategies leave them, made equal only where the ranks
+            # were not seeded alike. A resumed run restores the saved streams after this.
+            own_streams = declares_training_streams(module)
+            if not own_streams:
+                agree_on_streams(self.root_device)
             self._parallelize(module)
             module._ldt_parallelized = True
-            # Dropout: independent across data-parallel ranks and pipeline stages, one stream per
-            # TP group (parallel/rng.py). A resumed run restores the saved streams after this.
-            dims = self.parallel_dims
-            seed_training_streams(self._agreed_init_seed(), self._ft_data_parallel(dims.dp_size, dims.dp_rank)[1],
-                                  dims.local_rank("pp"))
+            if own_streams:
+                dims = self.parallel_dims
+                seed_training_streams(self._agreed_init_seed(),
+                                      self._ft_data_parallel(dims.dp_size, dims.dp_rank)[1], dims.local_rank("pp"))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             # Fresh optimizers over the sharded parameters (also after a previous stage's setup).
