@@ -111,6 +111,18 @@ def route_lightning_signal_handlers(trainer: Any, handler: Callable[..., None]) 
     _require(connector, "_slurm_sigusr_handler_fn", "Lightning's SLURM requeue handler")
     connector._sigterm_notifier_fn = handler
     connector._slurm_sigusr_handler_fn = handler
+    # Lightning's training loop broadcasts rank 0's ``received_sigterm`` at every step
+    # (``_TrainingEpochLoop._broadcast_sigterm_tensor``: a collective over the whole world and a
+    # ``.item()`` host sync each step). Only the SIGTERM handler replaced above sets that flag, so
+    # the broadcast can only ever carry 0: turned off for this loop (the preemption agreement
+    # carries a signal, on its own cadence).
+    loop = _require(_require(trainer, "fit_loop", "the fit loop"), "epoch_loop", "the training epoch loop")
+    if hasattr(loop, "_broadcast_sigterm_tensor"):  # Lightning 2.6 (COSMETIC: gone, nothing to turn off)
+        loop._broadcast_sigterm_tensor = _no_sigterm_broadcast
+
+
+def _no_sigterm_broadcast() -> None:
+    """What the training loop's per-step SIGTERM broadcast does once its flag cannot be set."""
 
 
 def stop_child_process_watchdog() -> None:
@@ -349,9 +361,11 @@ attribute set in ``__init__`` is found in the class's source (see ``check``)."""
 
 COSMETIC: tuple[tuple[str, str | None], ...] = (
     ("lightning.pytorch.callbacks.RichProgressBar", "_get_train_description"),
+    ("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop", "_broadcast_sigterm_tensor"),
 )
-"""Privates whose absence changes only what is printed: ``check(cosmetic=True)`` (the test) covers
-them, the run's own check does not stop a run for them (``fix_epoch_description`` skips instead)."""
+"""Privates whose absence changes only what is printed, or removes a cost we would turn off:
+``check(cosmetic=True)`` (the test) covers them, the run's own check does not stop a run for them
+(``fix_epoch_description`` and ``route_lightning_signal_handlers`` skip instead)."""
 
 
 def _resolve(dotted: str) -> Any:

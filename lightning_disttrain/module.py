@@ -47,6 +47,12 @@ class Perplexity(MeanMetric):
         return torch.exp(super().compute())
 
 
+def _monitored(trainer: L.Trainer, name: str) -> bool:
+    """Whether a callback reads ``name`` from ``trainer.callback_metrics`` at every step it may act
+    (``ModelCheckpoint(monitor=...)``, ``EarlyStopping(monitor=...)``)."""
+    return any(getattr(callback, "monitor", None) == name for callback in trainer.callbacks)
+
+
 class GPTModule(L.LightningModule):
     """Next-token GPT pre-training.
 
@@ -76,10 +82,14 @@ class GPTModule(L.LightningModule):
             on the meta device (each rank then reads only its shards). Loading a checkpoint of such a
             run needs no Hugging Face files: ``load_from_checkpoint(path, init_from=None)``.
 
-    Logging: ``train/loss``, the mean over the data-parallel ranks, is logged every step (in
-    ``trainer.callback_metrics`` every step; under this package's strategies the mean is one
-    all-reduce on the device, nothing waits for it) and goes to the loggers every
-    ``log_every_n_steps``. The progress bar shows it, with ``tok/s``, from those logging steps
+    Logging: ``train/loss``, the mean over the data-parallel ranks, is logged at the end of the
+    steps the loggers read (every ``log_every_n_steps``, the run's last step, and a step that stops
+    the run): the mean is an all-reduce over those ranks, the whole world without TP (on the device
+    under this package's strategies, nothing waits for it), which the other steps do not pay. A callback that monitors ``train/loss``
+    (``ModelCheckpoint``, ``EarlyStopping``) gets it in ``trainer.callback_metrics`` every step, as
+    under Lightning: then it is logged (and averaged) in every ``training_step``. Otherwise
+    ``callback_metrics["train/loss"]`` holds the last logging step's value from the end of that step
+    (after the callbacks' ``on_train_batch_end``), and the last step's after ``fit``. The progress bar shows it, with ``tok/s``, from those logging steps
     only: Lightning turns each progress-bar value into a number with ``.item()`` at every batch's
     end, a host sync that would keep rank 0 from running ahead of the accelerator and make the
     other ranks wait for it at the next collective. The values the loggers alone read (tokens,
@@ -157,6 +167,9 @@ class GPTModule(L.LightningModule):
         self._aux_to_log: torch.Tensor | None = None
         self._steps_before_batch: int | None = None
         self._step_value_names: list[str] = []  # what _log_step logged at the last logging step
+        # This step's loss, on the device, until it is known whether the loggers read this step
+        # (then it is averaged over the ranks and logged, else dropped): see _log_train.
+        self._unlogged_loss: torch.Tensor | None = None
 
     # ---- model construction -------------------------------------------------------------
 
@@ -330,9 +343,14 @@ class GPTModule(L.LightningModule):
         # x is this rank's shard of the batch: context parallel ranks hold 1/cp of each sequence
         cp = int(getattr(self.trainer.strategy, "context_parallel_size", 1))
         self.tokens_seen += x.numel() * self._data_parallel_size() * cp
-        # The mean over the ranks (one all-reduce a step, on the device: the strategies' reduce);
-        # a one-process run has nothing to average. Not in the progress bar (see the class doc).
-        self.log("train/loss", loss, on_step=True, on_epoch=False, sync_dist=self.trainer.world_size > 1)
+        # The mean over the data-parallel ranks (the world without TP) is an all-reduce: paid only at
+        # the steps the loggers read (on_train_batch_end), unless a callback monitors the loss (ModelCheckpoint,
+        # EarlyStopping): then every step, here, as under Lightning. Not in the progress bar here
+        # (see the class doc).
+        if _monitored(self.trainer, "train/loss"):
+            self.log("train/loss", loss, on_step=True, on_epoch=False, sync_dist=self.trainer.world_size > 1)
+        else:
+            self._unlogged_loss = loss.detach()
         return loss
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -350,6 +368,19 @@ class GPTModule(L.LightningModule):
         self._last_step_time = now
         if self._loggers_read_this_step():
             self._log_step_values()
+        elif self._unlogged_loss is not None and self._fit_ends_after_this_batch():
+            # the run's last loss, averaged, for trainer.callback_metrics after fit (and the bar)
+            self._log_step("train/loss", self._unlogged_loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
+        self._unlogged_loss = None
+
+    def _fit_ends_after_this_batch(self) -> bool:
+        """Whether this batch is the run's last: ``max_steps`` reached, or the last batch of the last
+        epoch (the same answer on every rank)."""
+        trainer = self.trainer
+        if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+            return True
+        last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+        return last_epoch and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
     def _loggers_read_this_step(self) -> bool:
         """Whether Lightning hands this batch's metrics to the loggers once its hooks are done
@@ -369,9 +400,12 @@ class GPTModule(L.LightningModule):
         is made, whatever the logging cadence (docs/benchmarks.md, section 18), and each value in
         the bar a host read per step (see the class doc). The loss for the loggers is logged
         every step, in ``training_step``; the bar shows the same number, this step's."""
-        loss = self.trainer.callback_metrics.get("train/loss")  # training_step's, averaged over the ranks
-        if loss is not None:
-            self._log_step("train/loss", loss, prog_bar=True, logger=False)
+        if self._unlogged_loss is not None:  # this step's, averaged over the ranks now, for the loggers and the bar
+            self._log_step("train/loss", self._unlogged_loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
+        else:  # monitored: training_step logged it, averaged over the ranks
+            loss = self.trainer.callback_metrics.get("train/loss")
+            if loss is not None:
+                self._log_step("train/loss", loss, prog_bar=True, logger=False)
         self._log_step("train/tokens", float(self.tokens_seen))
         for name, lr in self._step_lrs.items():  # the rates this step used (the schedulers have moved on)
             self._log_step(name, lr)
@@ -380,10 +414,10 @@ class GPTModule(L.LightningModule):
         if self.config.moe_num_experts:
             self._log_moe_layers()
 
-    def _log_step(self, name: str, value, prog_bar: bool = False, logger: bool = True) -> None:
+    def _log_step(self, name: str, value, prog_bar: bool = False, logger: bool = True, sync_dist: bool = False) -> None:
         """``self.log`` of a value of this step only, dropped from Lightning's result collection
         when the next batch starts (``on_train_batch_start``), once the loggers and the bar have it."""
-        self.log(name, value, prog_bar=prog_bar, logger=logger, on_step=True, on_epoch=False)
+        self.log(name, value, prog_bar=prog_bar, logger=logger, on_step=True, on_epoch=False, sync_dist=sync_dist)
         self._step_value_names.append(name)
 
     def on_train_epoch_start(self) -> None:

@@ -67,10 +67,10 @@ def test_training_decreases_loss_and_logs(tmp_path, optimizer, steps):
 
 @pytest.mark.parametrize("moe", [False, True])
 def test_loggers_only_values_are_logged_at_the_logging_cadence(tmp_path, moe):
-    """The loss every step (trainer.callback_metrics); tokens, learning rate, tok/s, the progress
-    bar's loss and the MoE numbers only at the steps whose metrics Lightning hands to the loggers,
-    where the CSV rows are exactly as before: each self.log call costs Lightning's result
-    collection host time every step."""
+    """The loss, tokens, learning rate, tok/s, the progress bar's loss and the MoE numbers only at
+    the steps whose metrics Lightning hands to the loggers, where the CSV rows are exactly as
+    before: each self.log call costs Lightning's result collection host time every step, and the
+    loss's mean over the ranks an all-reduce over the whole world (issue 38)."""
     import csv
 
     train, _ = _loaders()
@@ -96,11 +96,12 @@ def test_loggers_only_values_are_logged_at_the_logging_cadence(tmp_path, moe):
                                                      if moe else set())
     assert sorted(calls) == list(range(8))
     for step, names in calls.items():
-        assert "train/loss" in names
         if step in logged_steps:
-            assert extra <= names, (step, names)
-        else:
-            assert not extra & names, (step, names)
+            assert extra | {"train/loss"} <= names, (step, names)
+        elif step == 7:  # the run's last step: its loss, for trainer.callback_metrics after fit
+            assert not extra & names and "train/loss" in names, (step, names)
+        else:  # nothing: the loss's mean over the ranks is a world-wide all-reduce, paid when logged
+            assert not (extra | {"train/loss"}) & names, (step, names)
     with open(next(Path(tmp_path).rglob("metrics.csv"))) as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/tokens")]
     assert [int(r["step"]) for r in rows] == logged_steps
@@ -123,18 +124,42 @@ def test_the_progress_bar_shows_the_loss_of_the_last_logging_step(tmp_path):
     class Watch(L.Callback):  # at each step's end, before the module logs this step's values
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             shown.append(trainer.progress_bar_metrics.get("train/loss"))
-            losses.append(trainer.callback_metrics["train/loss"].item())
+            loss = trainer.callback_metrics.get("train/loss")
+            losses.append(None if loss is None else loss.item())
 
     trainer.callbacks.append(Watch())
     trainer.fit(module, train)
     with open(next(Path(tmp_path).rglob("metrics.csv"))) as f:
         rows = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
     assert sorted(rows) == [2, 5]  # steps 3 and 6
-    assert rows[2] == pytest.approx(losses[2]) and rows[5] == pytest.approx(losses[5])
     assert shown[:3] == [None] * 3
     assert shown[3:6] == [pytest.approx(rows[2])] * 3 and shown[6:] == [pytest.approx(rows[5])] * 2
-    assert trainer.progress_bar_metrics["train/loss"] == pytest.approx(rows[5])
-    assert len(set(losses)) == 8  # callback_metrics: every step's loss
+    assert trainer.progress_bar_metrics["train/loss"] == pytest.approx(trainer.callback_metrics["train/loss"].item())
+    # callback_metrics: the logging steps' loss, from the end of that step (after the callbacks'
+    # on_train_batch_end), kept in between
+    assert losses[:3] == [None] * 3 and losses[3:6] == [pytest.approx(rows[2])] * 3
+    assert losses[6:] == [pytest.approx(rows[5])] * 2
+    # after fit: the last step's loss (logged at the run's end, not for the loggers)
+    assert trainer.callback_metrics["train/loss"].item() not in (losses[5], None)
+
+
+def test_a_callback_that_monitors_the_loss_gets_it_every_step(tmp_path):
+    """ModelCheckpoint/EarlyStopping(monitor="train/loss") read trainer.callback_metrics at every
+    step they may act on: with one, the loss is logged (and averaged over the ranks) every step."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    train, _ = _loaders()
+    module = GPTModule("tiny", vocab_size=257, lr=1e-3)
+    trainer = _trainer(tmp_path, max_steps=5, log_every_n_steps=3, limit_val_batches=0)
+    seen = []
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(trainer.callback_metrics["train/loss"].item())
+
+    trainer.callbacks += [EarlyStopping(monitor="train/loss", patience=100, check_on_train_epoch_end=True), Watch()]
+    trainer.fit(module, train)
+    assert len(seen) == 5 and len(set(seen)) == 5  # every step's own loss
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -166,6 +191,7 @@ def test_a_stop_requested_during_a_step_gets_that_steps_values_in_its_row(tmp_pa
     assert [int(r["step"]) for r in rows] == [2, 3]
     assert [float(r["train/tokens"]) for r in rows] == [3 * accumulate * 8 * 32.0, 4 * accumulate * 8 * 32.0]
     assert [float(r["train/lr"]) for r in rows] == pytest.approx([lrs[2], lrs[3]])
+    assert all(r["train/loss"] for r in rows)  # the stopping step's loss too, logged at its end
 
 
 def test_gradient_clipping_through_trainer(tmp_path):

@@ -18,6 +18,8 @@ STEPS, GLOBAL_BATCH, SEQ, VOCAB = 6, 8, 16, 64
 
 
 class Losses(L.Callback):
+    monitor = "train/loss"  # read at every step: GPTModule then logs (and averages) the loss every step
+
     def __init__(self):
         self.losses = []
 
