@@ -106,6 +106,38 @@ class Functional(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+class HostReads:
+    """Counts calls of torch.Tensor's host-reading methods while active (on an accelerator each is
+    a sync that keeps the host from running ahead; tests/test_host_syncs.py does the same in one
+    process, where Lightning's multi-rank paths do not run)."""
+
+    def __init__(self) -> None:
+        self.active, self.count = False, 0
+        self.on_host: list[torch.Tensor] = []  # kept on the host by design: their reads are not syncs
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
+
+    def _counting(self, original):
+        def wrapper(tensor, *args, **kwargs):
+            if self.active and not any(tensor is t for t in self.on_host):
+                self.count += 1
+            return original(tensor, *args, **kwargs)
+
+        return wrapper
+
+
+_HOST_READS: list[HostReads] = []
+
+
+def _host_reads() -> HostReads:
+    if not _HOST_READS:
+        _HOST_READS.append(HostReads())
+    return _HOST_READS[0]
+
+
 class PerStep(L.Callback):
     """From one batch's start to the next's: the collectives by group, and the dispatched count.
     (torch's CommDebugMode, entered here, failed in its module tracker's forward hook on this
@@ -115,6 +147,7 @@ class PerStep(L.Callback):
     def __init__(self):
         self.steps: list[dict] = []
         self.recorder = _recorder()
+        self.host_reads = _host_reads()
         self._modes = None
 
     def _close(self) -> None:
@@ -122,14 +155,18 @@ class PerStep(L.Callback):
             return
         functional = self._modes
         functional.__exit__(None, None, None)
-        self.recorder.active = False
+        self.recorder.active = self.host_reads.active = False
         self.steps.append({"calls": [[op, list(ranks)] for op, ranks in self.recorder.calls],
-                           "dispatched": functional.dispatched})
+                           "dispatched": functional.dispatched, "host_reads": self.host_reads.count})
         self._modes = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._close()
         self.recorder.calls, self.recorder.active = [], True
+        self.host_reads.count, self.host_reads.active = 0, True
+        # torch's AdamW keeps each parameter's step count on the host unless capturable or fused
+        self.host_reads.on_host = [state["step"] for optimizer in trainer.optimizers
+                                   for state in optimizer.state.values() if "step" in state]
         self._modes = Functional(self.recorder)
         self._modes.__enter__()
 

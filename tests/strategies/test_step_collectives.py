@@ -45,6 +45,8 @@ def test_no_world_wide_collective_in_a_step_beyond_the_gradients(four, layout):
         assert quiet, agreements
         for i in quiet:
             assert set(_world(steps[i]["calls"], world)) <= (FSDP_OPS if layout == "fsdp4" else set())
+            # and no host read of a tensor (Lightning's per-step SIGTERM broadcast read its flag)
+            assert steps[i]["host_reads"] == 0, (layout, i, steps[i]["host_reads"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
