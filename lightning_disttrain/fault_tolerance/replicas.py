@@ -5,10 +5,13 @@ on every rank of the group, once per optimizer step and in this order:
 
 1. ``begin_step()`` before the forward: asks the lighthouse for this step's quorum, in the
    background (torchft's async quorum), so that it overlaps the forward and backward.
-2. ``average_gradients(params)`` after the backward: the gradients (each rank's local shards) are
-   averaged over the replica groups in the quorum, group rank k with group rank k of every other
-   group, in one flat bucket per dtype. A group that is healing this step contributes zeros and is
-   not counted (torchft), so the survivors' average is over the live groups only.
+2. The gradients (each rank's local shards) are averaged over the replica groups in the quorum,
+   group rank k with group rank k of every other group. A group that is healing this step
+   contributes zeros and is not counted (torchft), so the survivors' average is over the live
+   groups only. Either during the backward, each FSDP unit's reduce-scatter output as FSDP
+   produces it (``overlap_with(modules)``: FSDP's all-reduce hook, as torchtitan does), or
+   ``average_gradients(params)`` after it, in flat buckets per dtype; ``average_gradients``
+   checks that the hooks ran for every unit when they are on.
 3. ``commit()``: True when every rank of the group saw the step's collectives succeed and the
    quorum has at least ``min_replicas`` groups; only then may the optimizer step. A group that
    joined this step receives its state here (``load_state_dict`` runs on the calling thread).
@@ -83,19 +86,60 @@ class ReplicaGroup:
         self.participants_now = 0
         self.quorum_wait_s = 0.0
         self.reduce_s = 0.0
+        self._hooked_units = 0  # FSDP units whose all-reduce hook averages over the groups
+        self.overlap_now = False  # set per step by the strategy: the hooks average in this backward
+        self.hook_calls = 0  # this step's
 
     # -- the step ------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
         self.manager.start_quorum()
+        self.hook_calls, self.quorum_wait_s, self.reduce_s = 0, 0.0, 0.0
+
+    def overlap_with(self, fsdp_modules: list) -> None:
+        """Average each of ``fsdp_modules``' gradients over the groups in FSDP's all-reduce hook:
+        right after that unit's reduce-scatter (after its HSDP all-reduce, on FSDP's all-reduce
+        stream), while the backward of the units before it still runs. Active in the steps the
+        strategy sets ``overlap_now``."""
+        for module in fsdp_modules:
+            module.set_all_reduce_hook(self._average_unit)
+        self._hooked_units = len(fsdp_modules)
+
+    @property
+    def hooked(self) -> bool:
+        return self._hooked_units > 0
+
+    @torch.no_grad()
+    def _average_unit(self, reduce_output: torch.Tensor) -> None:
+        if not self.overlap_now:
+            return
+        start = time.perf_counter()
+        if self.hook_calls == 0:
+            self.participants_now = int(self.manager.num_participants())  # waits for the quorum if not known yet
+            self.quorum_wait_s = time.perf_counter() - start
+            start = time.perf_counter()
+        # FSDP's reduce output lives where the cross-group backend's tensors must (the device: also
+        # with cpu_offload, which moves gradients to the host after this hook).
+        self.manager.allreduce(reduce_output).wait()
+        self.hook_calls += 1
+        self.reduce_s += time.perf_counter() - start
 
     @torch.no_grad()
     def average_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Average every gradient (local shard) over the live replica groups, in place. Every rank
+        """Average every gradient (local shard) over the live replica groups, in place (unless the
+        FSDP hooks did it in this step's backward: then check that every unit's did). Every rank
         of every participating group must call it once per step, also with no gradients at all
         (zeros then), or the other groups' collective waits for it until the timeout. Also with one
         participant: a group healing in this step is not counted but takes part in the all-reduce,
         which is how it receives the step's gradients."""
+        if self.overlap_now:  # averaged in the backward, unit by unit
+            if self.hook_calls != self._hooked_units:
+                raise RuntimeError(
+                    f"fault tolerance: {self.hook_calls} of the model's {self._hooked_units} FSDP units averaged their "
+                    "gradients over the replica groups in this backward (a unit whose parameters got no gradient "
+                    "this step is not reduced, so the groups' collectives no longer match); set "
+                    "fault_tolerance.average_after_backward=true for a model with parameters unused in some steps")
+            return
         start = time.perf_counter()
         self.participants_now = int(self.manager.num_participants())  # waits for the quorum if not known yet
         self.quorum_wait_s = time.perf_counter() - start

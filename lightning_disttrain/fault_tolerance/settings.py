@@ -38,6 +38,13 @@ class FaultTolerance:
         quorum_timeout_s: waiting for a quorum.
         connect_timeout_s: reaching the lighthouse at start (an unreachable one fails the run
             after this long, with the address in the message).
+        average_after_backward: False (default): each FSDP unit's gradient is averaged over the
+            groups as soon as its reduce-scatter is done, inside the backward (FSDP's all-reduce
+            hook), overlapped with the rest of it. Every group must then reduce the same units in
+            the same order: a model with parameters that some steps leave without a gradient
+            (as DDP's ``find_unused_parameters``) needs True: the whole gradient is averaged after
+            the backward, in buckets, exposed. Gradient accumulation with sharded gradients (the
+            default) averages after the backward too (once per step instead of once per micro-batch).
     """
 
     num_replica_groups: int = 2
@@ -47,6 +54,7 @@ class FaultTolerance:
     timeout_s: float = 60.0
     quorum_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
+    average_after_backward: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_replica_groups
@@ -71,6 +79,8 @@ class FaultTolerance:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"fault_tolerance.{name}={value!r}: a number of seconds > 0")
+        if not isinstance(self.average_after_backward, bool):
+            raise ValueError(f"fault_tolerance.average_after_backward={self.average_after_backward!r}: true or false")
         address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "").strip() or None
         if address is None:
             raise ValueError(f"fault_tolerance.lighthouse is not set: start one (lightning-disttrain ft-lighthouse) "

@@ -44,6 +44,25 @@ from lightning_disttrain.fault_tolerance.settings import FaultTolerance
 
 
 
+def _fsdp_units(module: torch.nn.Module) -> list:
+    """The FSDP units of ``module`` that manage parameters of their own (each reduces them in one
+    reduce-scatter and calls its all-reduce hook once per backward): a parameter belongs to its
+    innermost enclosing unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[int, torch.nn.Module] = {}
+
+    def walk(m: torch.nn.Module, unit: Optional[torch.nn.Module]) -> None:
+        unit = m if isinstance(m, FSDPModule) else unit
+        if unit is not None and any(True for _ in m.parameters(recurse=False)):
+            units[id(unit)] = unit
+        for child in m.children():
+            walk(child, unit)
+
+    walk(module, None)
+    return list(units.values())
+
+
 def work_done_marker(device: torch.device) -> Any:
     """A CUDA event recorded in ``device``'s current stream (``synchronize()`` waits until the work
     enqueued before it has run), or None where the host runs the work itself (CPU: done already)."""
@@ -137,6 +156,11 @@ class FaultTolerantStepMixin:
         self._replicas = ReplicaGroup(ft, rank=self.global_rank, world_size=self.world_size,
                                       store_addr=env.main_address, store_port=env.main_port, device=self.root_device,
                                       state_dict=self._ft_state, load_state_dict=self._ft_heal)
+        if not ft.average_after_backward and not self.parallel_dims.pp_enabled:
+            # Each FSDP unit's gradient is averaged over the groups inside the backward, as soon as
+            # FSDP reduced it (its all-reduce hook), overlapped with the backward of the units
+            # before it. Not under pipeline parallel: its schedule reduces on its own terms.
+            self._replicas.overlap_with(_fsdp_units(module))
         self._ft_stats = {"samples_trained": 0, "samples_skipped": 0, "uncommitted_steps": 0}
         self._ft_capture, self._ft_stop_step, self._ft_last_participants, self._ft_most_seen = None, None, None, 0
         self._ft_committed_once = False  # this process saw a committed step (agreed group-wide by should_commit)
@@ -179,6 +203,10 @@ class FaultTolerantStepMixin:
             "stats": dict(self._ft_stats),
         }
         self._replicas.begin_step()
+        # The hooks average each micro-batch's reduce-scatter: with sharded gradient accumulation
+        # that would be k cross-group all-reduces a step; then once, after the backward, instead.
+        accumulate = max(1, int(trainer.accumulate_grad_batches))
+        self._replicas.overlap_now = self._replicas.hooked and (accumulate == 1 or self.accumulate_unsharded_grads)
         if self._ft_most_seen < self.fault_tolerance.min_replicas:
             self._ft_wait_for_min_replicas()
 
@@ -262,6 +290,8 @@ class FaultTolerantStepMixin:
             self._ft_last_participants = participants
         metrics = {"ft/live_replicas": participants, "ft/committed": int(committed), "ft/heals": replicas.heals,
                    "ft/quorum_wait_ms": 1e3 * replicas.quorum_wait_s, "ft/allreduce_ms": 1e3 * replicas.reduce_s,
+                   # FSDP units whose gradient was averaged over the groups inside the backward
+                   "ft/units_averaged_in_backward": replicas.hook_calls if replicas.overlap_now else 0,
                    "ft/committed_steps": replicas.committed_steps, "ft/last_heal_ms": 1e3 * (replicas.last_heal_s or 0.0),
                    **{f"ft/{k}": v for k, v in stats.items()}}
         self.ft_metrics = metrics
@@ -329,7 +359,7 @@ class FaultTolerantStepMixin:
         callback = getattr(trainer, "checkpoint_callback", None)
         directory = getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
         path = os.path.join(str(directory), f"ft-stopped-step={trainer.global_step}.ckpt")
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint: says so (Lightning notes an unset flag)
         if self.writes_checkpoints():
             rank_zero_info(f"fault tolerance: below min_replicas, saved {path}")
 

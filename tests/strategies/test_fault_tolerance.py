@@ -207,6 +207,10 @@ def test_no_failure_equals_hsdp(data, tmp_path, four, layout):
             ref_rank = 2 * rank + g if layout == "pp" else 2 * g + rank
             ft, ref = groups.records(g, rank), hsdp[ref_rank]["records"]
             assert [r["ft"]["ft/live_replicas"] for r in ft] == [2] * steps
+            # averaged over the groups inside the backward, unit by unit (FSDP's all-reduce hook):
+            # under fsdp: the tiny preset's 4 blocks and the root's own parameters
+            if layout == "fsdp":
+                assert [r["ft"]["ft/units_averaged_in_backward"] for r in ft] == [5] * steps
             # The same samples per global data-parallel rank, losses within 1e-6 at every step.
             assert [r["samples"] for r in ft] == [r["samples"] for r in ref]
             losses = torch.tensor([float.fromhex(r["loss"]) for r in ft])
