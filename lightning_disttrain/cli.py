@@ -11,19 +11,24 @@ Errors: a class that refuses its configuration is reported as one line naming th
 (``error: trainer.strategy: NDParallelStrategy(pp=2) is not supported yet: ...``); an error during
 a multi-process run is printed once, last, by rank 0 (see ``rank_errors.py``). ``LDT_TRACEBACK=1``
 adds the tracebacks. A config the parser refuses (an unknown key, a ``class_path`` that does not
-import) is one ``error:`` line with a "did you mean" where one is close, not the usage text; an
-unknown strategy name suggests ours. ``prepare``/``export``/``plan``/``eval`` report an expected
+import, an ``init_args`` key its class does not take, an option misspelt on the command line) is
+one ``error:`` line naming the key, with a "did you mean" where one is close, not the usage text; no
+option is taken for a prefix of another (``--trainer.max_step``). An unknown strategy name suggests ours. ``prepare``/``export``/``plan``/``eval`` report an expected
 failure (a missing or corrupt checkpoint, a bad path or value) as ``error: <command>: <message>``,
 exit status 2; so does every command for a ``--ckpt_path`` / ``eval`` file that is not a checkpoint
 (one line, the same for each: ``checkpoint.safe_load.check_checkpoint_file``).
 ``ft-lighthouse`` / ``ft-local`` start fault-tolerant replica groups (``fault_tolerance/command.py``).
 ``LDT_DEBUG=1`` (or ``LDT_TRACEBACK=1``) restores the full text and the tracebacks.
+
+Output: Lightning's notes that read wrong for every run (its litlogger tip, ``v_num`` on the bar, a
+FLOPs column of zeros, "Epoch 0/-2"; ``eval``'s own ``limit_val_batches`` note) are left out
+(``_quiet_display``, ``_quiet_lightning``).
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
+import logging
 import os
 import pickle
 import re
@@ -37,6 +42,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_disttrain  # noqa: F401  (registers strategy names; callbacks importable by class_path)
 from lightning_disttrain import _lightning_compat as compat
+from lightning_disttrain import cli_hints as hints
 from lightning_disttrain.rank_errors import ENV_TRACEBACK, RunErrors
 
 _TOOLS = {
@@ -67,31 +73,18 @@ _EXPECTED_TOOL_ERRORS = (ValueError, OSError, pickle.UnpicklingError, EOFError)
 checkpoint is a ``CheckpointVerificationError``, a ValueError): one line, no traceback."""
 
 
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _class_path_hint(message: str) -> str | None:
-    """For a ``class_path`` that does not import: which one, and the closest name that does."""
-    for path in re.findall(r"'class_path': '([\w.]+)'", message):
-        if _resolve(path) is not None:
-            continue
-        module_name, _, name = path.rpartition(".")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            return f"class_path {path!r}: no module {module_name!r}"
-        names = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n, None), type)]
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-        return f"class_path {path!r} does not exist" + (f"; did you mean '{module_name}.{close[0]}'?" if close else
-                                                        f" ({module_name} has no {name!r})")
-    return None
-
-
 class _ShortErrorParser(LightningArgumentParser):
     """jsonargparse's errors as one line: no usage text first, a "did you mean" for a misspelt key or
-    class. The full text with ``LDT_DEBUG=1``."""
+    class. The full text with ``LDT_DEBUG=1``. No option is abbreviated (``allow_abbrev=False``, on this
+    parser and every one jsonargparse builds from it: subcommands and class parsers are this class):
+    ``--trainer.max_step 4`` is an error, not silently ``max_steps``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.family: list[_ShortErrorParser] = [self]
+        """The command's parsers (``DistTrainCLI.init_parser``): a key unknown to the root parser is
+        looked up in the subcommand's."""
 
     def error(self, message: str, ex: Exception | None = None):
         if debug_enabled() or not self.exit_on_error:
@@ -101,9 +94,15 @@ class _ShortErrorParser(LightningArgumentParser):
         unknown = re.search(r"does not accept option '([^']+)'", message)
         if unknown:
             keys = compat.parser_option_names(parser)
-            short = message.splitlines()[0] + _did_you_mean(unknown.group(1), keys)
+            short = message.splitlines()[0] + hints.did_you_mean(unknown.group(1), keys)
         else:
-            short = _class_path_hint(message)
+            keys = [k for p in parser.family for k in compat.parser_option_names(p)]
+            short = (hints.unrecognized_hint(message, parser) or hints.class_option_hint(message)
+                     or hints.class_path_hint(message) or hints.class_name_hint(message)
+                     or hints.unknown_key_hint(message, keys))
+            key = re.search(r'Parser key "([^"]+)"', message)
+            if short is not None and key and short.startswith("class_path"):
+                short = f"{key.group(1)}: {short}"  # which class_path: model, data, trainer.callbacks...
             if short is None:
                 lines = [line for line in message.splitlines() if line.strip()]
                 short = lines[0] if len(lines) <= 6 else f"{lines[0]} (... {len(lines) - 1} more lines with {ENV_DEBUG}=1)"
@@ -124,7 +123,8 @@ def _strategy_hint(message: str) -> str | None:
     if not found:
         return None
     ours = _our_strategy_names()
-    return (f"unknown strategy {found.group(1)!r}{_did_you_mean(found.group(1), ours)} lightning-disttrain registers "
+    return (f"unknown strategy {found.group(1)!r}{hints.did_you_mean(found.group(1), ours)} "
+            f"lightning-disttrain registers "
             f"{', '.join(ours)}; or give a class_path, e.g. lightning_disttrain.strategies.NDParallelStrategy "
             f"(Lightning's own names work too: ddp, fsdp, ...)")
 
@@ -185,7 +185,17 @@ class DistTrainCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", _ShortErrorParser)
+        self._parsers: list[LightningArgumentParser] = []
         super().__init__(L.LightningModule, L.LightningDataModule, *args, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """LightningCLI's parser (the root's, then each subcommand's), each knowing the others: an
+        error the root reports names the closest key of the subcommand."""
+        parser = super().init_parser(**kwargs)
+        self._parsers.append(parser)
+        if isinstance(parser, _ShortErrorParser):
+            parser.family = self._parsers
+        return parser
 
     def subcommands(self) -> dict[str, set[str]]:  # an instance method: LightningCLI calls it through self
         """LightningCLI's subcommands, or only the one the command line names (``subcommand``):
@@ -253,10 +263,12 @@ class DistTrainCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except Exception as exc:
             self._failures.append(_ConstructorFailure(exc, L.Trainer, key="trainer"))
             raise
+        _quiet_display(trainer)
+        return trainer
 
     def _exit_with_config_error(self, exc: Exception):
         failure = self._root_failure(exc)
@@ -290,7 +302,7 @@ class DistTrainCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         config = config.as_dict() if hasattr(config, "as_dict") else config
         candidates = list(_class_nodes(config, ""))
-        matches = [(key, node) for key, node in candidates if _resolve(node["class_path"]) is failure.class_type]
+        matches = [(key, node) for key, node in candidates if hints.resolve(node["class_path"]) is failure.class_type]
         if not matches:
             return None
 
@@ -299,6 +311,60 @@ class DistTrainCLI(LightningCLI):
             return sum(1 for k, v in failure.kwargs.items() if init_args.get(k, object()) == v)
 
         return max(matches, key=lambda m: agreement(m[1]))[0]
+
+
+def _quiet_display(trainer: L.Trainer) -> None:
+    """What Lightning's default bar and summary show that reads wrong for every run of ours (issue 42):
+    "Epoch 0/-2" under ``max_steps`` with any strategy (ours fix it only for themselves), ``v_num``
+    (the logger's version, 0 in a fresh directory: a number that reads like a metric), the model
+    summary's FLOPs column of zeros (``callbacks/model_summary.py``). Only Lightning's own classes:
+    a user's subclass is left as it is."""
+    from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar, TQDMProgressBar
+
+    from lightning_disttrain.callbacks.model_summary import summarize_without_zero_flops
+
+    compat.fix_epoch_description(trainer)
+    bar = trainer.progress_bar_callback
+    if type(bar) in (RichProgressBar, TQDMProgressBar):
+        metrics = bar.get_metrics  # Lightning's documented override point to drop v_num
+
+        def get_metrics(*args: Any, **kwargs: Any) -> dict:
+            return {k: v for k, v in metrics(*args, **kwargs).items() if k != "v_num"}
+
+        bar.get_metrics = get_metrics
+    for callback in trainer.callbacks:
+        if type(callback) is RichModelSummary:
+            callback.summarize = summarize_without_zero_flops
+
+
+class _DropMessages(logging.Filter):
+    """Drops Lightning's info messages that start with one of ``prefixes`` (matched on the format
+    string, before its arguments are filled in)."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+_LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
+"""Lightning's advertisement for its cloud logger, printed by every Trainer, ``eval``'s included."""
+_EVAL_LIMIT = "`Trainer(limit_val_batches=1)` was configured"
+"""``eval`` scores held-out loss through a Trainer it configures itself: a note on a setting the user
+never made."""
+
+
+def _quiet_lightning(command: str | None) -> None:
+    """Lightning's notes that say nothing about this run, filtered where Lightning logs them
+    (``rank_zero_info``'s logger, set by both of its packages)."""
+    prefixes = (_LITLOGGER_TIP,) + ((_EVAL_LIMIT,) if command == "eval" else ())
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, _DropMessages)]:  # an earlier main() in this process
+            logger.removeFilter(old)
+        logger.addFilter(_DropMessages(prefixes))
 
 
 def _class_nodes(node: Any, key: str):
@@ -314,19 +380,12 @@ def _class_nodes(node: Any, key: str):
             yield from _class_nodes(value, f"{key}[{i}]")
 
 
-def _resolve(class_path: str) -> Any:
-    module, _, name = class_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> None:
     # LightningCLI warns when given args while sys.argv has some too: pass ours only when they are
     # not sys.argv's (a call from Python).
     cli_args = None if argv is None else list(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_lightning(argv[0] if argv else None)
     if argv and argv[0] in _TOOLS:
         module, fn, _ = _TOOLS[argv[0]]
         try:

@@ -140,3 +140,61 @@ def test_traceback_on_request(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("Traceback") == 1 and "in canonical_tokenizer_name" in err
     assert [line for line in err.splitlines() if line.strip()][-1].startswith("error: data: unknown tokenizer")
+
+
+# ---- a misspelt key or class, on the command line or in YAML: one line naming it, "did you mean" --------
+
+
+def _parse_error(tmp_path, capsys, *args: str, yaml_edit: tuple[str, str] | None = None, **config) -> str:
+    """``lightning-disttrain fit --config run.yaml ARGS`` through ``cli.main`` (the command's entry
+    point) in this process, parsing only (``--print_config``): exit status 2, one ``error:`` line."""
+    from lightning_disttrain.cli import main
+
+    path = _config(tmp_path, **config)
+    if yaml_edit is not None:
+        assert yaml_edit[0] in path.read_text()
+        path.write_text(path.read_text().replace(*yaml_edit, 1))
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(path), *args, "--print_config"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and len([line for line in err.splitlines() if line.strip()]) <= 2, err
+    assert "more lines with" not in err and "Traceback" not in err, err
+    return errors[0]
+
+
+CALLBACKS = [{"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"},
+             {"class_path": "rank_failure.FailOnRank", "init_args": {"hook": "step"}}]
+
+
+@pytest.mark.parametrize("args, yaml_edit, key, suggestion", [
+    (["--model.init_args.lrr", "1e-3"], None, "model.init_args.lrr", "model.init_args.lr"),
+    ([], ("config: tiny", "config: tiny\n    lrr: 0.001"), "model.init_args.lrr", "model.init_args.lr"),
+    ([], ("seq_len:", "seq_lenn:"), "data.init_args.seq_lenn", "data.init_args.seq_len"),
+    ([], ("hook: step", "hookk: step"), "trainer.callbacks[1].init_args.hookk", "trainer.callbacks[1].init_args.hook"),
+    (["--model", "lightning_disttrain.GPTModul"], None, "model: class_path 'lightning_disttrain.GPTModul'",
+     "lightning_disttrain.GPTModule"),
+    (["--model", "GPTModul"], None, "model: class_path 'GPTModul'", "lightning_disttrain.GPTModule"),
+    (["--trainer.max_stpes", "4"], None, "unrecognized option --trainer.max_stpes", "--trainer.max_steps"),
+    ([], ("trainer:", "trainr:"), "trainr", "trainer"),
+])
+def test_misspelt_key_is_one_line_with_did_you_mean(tmp_path, capsys, args, yaml_edit, key, suggestion):
+    line = _parse_error(tmp_path, capsys, *args, yaml_edit=yaml_edit, callbacks=CALLBACKS)
+    assert line.startswith(f"error: {key}"), line
+    assert f"did you mean '{suggestion}'?" in line, line
+
+
+def test_an_option_prefix_is_not_taken_for_the_option(tmp_path, capsys):
+    # argparse's allow_abbrev took --trainer.max_step as --trainer.max_steps, silently
+    line = _parse_error(tmp_path, capsys, "--trainer.max_step", "4")
+    assert line.startswith("error: unrecognized option --trainer.max_step;") and "'--trainer.max_steps'" in line
+
+
+def test_misspelt_init_args_key_on_the_command_line_is_one_line(tmp_path):
+    out = _run(tmp_path, "fit", "--config", str(_config(tmp_path)), "--model.init_args.lrr", "1e-3", timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in _lines(out) if "error" in line.lower()]
+    assert errors == ["error: model.init_args.lrr: GPTModule has no option 'lrr'; did you mean 'model.init_args.lr'?"], \
+        out.stderr[-3000:]
+    assert len(_lines(out)) <= 2, out.stderr[-3000:]

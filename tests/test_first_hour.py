@@ -285,3 +285,45 @@ def test_resume_from_a_directory_without_checkpoints_does_not_point_at_warnings_
     with pytest.raises(ValueError, match="holds no checkpoint at all") as info:
         NDParallelStrategy()._resolve_checkpoint(tmp_path / "last.ckpt", Comm())
     assert "warnings above" not in str(info.value)
+
+
+# ---- a normal run prints nothing that reads wrong (issue 42, item 7) --------------------------------------
+
+NOISE = {
+    "litlogger": "Lightning's litlogger tip",
+    "FLOPs ┃": "the model summary's FLOPs column of zeros",
+    "Total FLOPs": "the model summary's total FLOPs, 0",
+    "v_num": "the logger's version on the bar",
+    "weights_only": "`weights_only` was not set",
+    "was configured": "`Trainer(limit_val_batches=1)` was configured (eval)",
+    "Epoch 0/-2": "the rich bar's epoch count under max_steps",
+    "FSDP over 1 ranks": "expert parallel's start-up line",
+    "returned a view tensor": "torch's FSDP2 view warning",
+    "tensorboardX": "Lightning's default logger's warning",
+}
+
+
+@pytest.mark.slow  # one fit and one eval, 1 process each
+def test_fit_of_the_planned_config_and_eval_print_no_noise(tmp_path):
+    # The YAML `plan --write-config` writes for `tiny` on one CPU (DDP x1, Lightning's ddp strategy: the
+    # Epoch 0/-2 the strategies of this package fixed only for themselves), run with the bar and the
+    # model summary on, a checkpoint, then `eval` of it with its defaults.
+    plan = _run_here(tmp_path, "plan", "--model", "tiny", "--override", "vocab_size=257", "--gpu", "cpu",
+                     "--gpu-memory", "1", "--gpus-per-node", "1", "--seq-len", "64", "--global-batch", "8",
+                     "--micro-batch", "4", "--precision", "fp32", "--write-config", "plan.yaml")
+    assert plan.returncode == 0, _out(plan)[-3000:]
+    config = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert config["trainer"]["strategy"] == "ddp"
+    config["trainer"]["max_steps"] = 4
+    config["trainer"]["callbacks"][-1]["init_args"]["every_n_train_steps"] = 2
+    config["data"]["init_args"].update(source="embedded", max_docs=60, num_proc=1, cache_dir="cache")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    fit = _run(tmp_path, "fit", "--config", "run.yaml", env={"COLUMNS": "200"})
+    assert fit.returncode == 0, _out(fit)[-3000:]
+    assert re.search(r"Epoch 0 +━", _out(fit)) and "Total params" in _out(fit), _out(fit)[-3000:]
+    ckpt = tmp_path / "runs" / "planned" / "checkpoints" / "last.ckpt"
+    evaluated = _run(tmp_path, "eval", str(ckpt), "--limit", "2", env={"COLUMNS": "200"})
+    assert evaluated.returncode == 0 and "piqa" in _out(evaluated), _out(evaluated)[-3000:]
+    for name, out in (("fit", fit), ("eval", evaluated)):
+        found = [why for word, why in NOISE.items() if word in _out(out)]
+        assert not found, f"{name}: {found}\n{_out(out)[-3000:]}"

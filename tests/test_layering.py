@@ -49,6 +49,7 @@ LAYER_NAMES = ("foundation", "core", "building blocks", "Lightning pieces", "str
 LAYERS: dict[str, int] = {
     PKG: TOP,  # lightning_disttrain/__init__.py: the public API, re-exported from everywhere
     f"{PKG}.cli": TOP,
+    f"{PKG}.cli_hints": TOP,  # the "did you mean" of cli.py's parser errors
     f"{PKG}.comm": FOUNDATION,
     f"{PKG}.rank_errors": FOUNDATION,
     f"{PKG}.young_daly": FOUNDATION,

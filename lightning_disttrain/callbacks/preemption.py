@@ -564,7 +564,9 @@ class PreemptionCheckpoint(Callback):
         if on_error is not None:
             strategy.on_save_error = "stop"  # and a failure must not read as a success
         try:
-            trainer.save_checkpoint(path)
+            # a full checkpoint, said explicitly: without it Lightning logs "`weights_only` was not
+            # set, defaulting to `False`" on every rank at every preemption save
+            trainer.save_checkpoint(path, weights_only=False)
             if wait is not None:
                 wait()
         finally:

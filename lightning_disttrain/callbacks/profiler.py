@@ -26,6 +26,7 @@ dataloader's ``next()``, marked through the Trainer's profiler (Lightning times 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,10 @@ class ProfilerCallback(Callback):
         activities = [ProfilerActivity.CPU]
         if trainer.strategy.root_device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
+        # kineto prints "USDT:<time> ... profiler_start" / "profiler_stop" on every rank: its trace
+        # points, logged at its level 5. It reads KINETO_LOG_LEVEL when it starts (the first profile
+        # of the process); 6 is above them, and above its ERROR (4) too. A user's own value is kept.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self._prof = profile(activities=activities, record_shapes=self.record_shapes, with_stack=self.with_stack)
         self._prof.__enter__()
         if self._marks is not None:

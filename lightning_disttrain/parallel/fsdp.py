@@ -7,6 +7,8 @@ Lightning's clipping hook.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -168,6 +170,13 @@ def apply_fsdp(
         fully_shard(group[0] if len(group) == 1 else list(group), reshard_after_forward=reshard, **common)
     # The root: None lets FSDP keep the root's parameters after forward, for the same reason.
     fully_shard(module, reshard_after_forward=None, **common)
+    # torch warns when a unit returns a view (an in-place op on it would skip the unit's
+    # pre-backward all-gather). The root returns one for any model ending in a biased nn.Linear
+    # on (batch, seq, dim) input (linear is addmm(...).view(...) there): harmless for the root,
+    # whose parameters stay gathered from forward to backward (above), and whose reduce-scatter
+    # FSDP's final backward callback runs anyway. Blocks still warn.
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({re.escape(type(module).__name__)}\) "
+                            "returned a view tensor", category=UserWarning)
 
 
 def expert_parallel_modules(block: nn.Module) -> list[nn.Module]:

@@ -193,8 +193,9 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
 
         layers = plan.moe_layers if plan.moe_layers is not None else list(moe_layers(module).values())
         shard_experts(layers, ep.mesh)
-        done.steps.append(f"expert_parallel: ep={ep.mesh.size()}, {len(layers)} MoE layers, experts FSDP over "
-                          f"{ep.expert_fsdp_mesh.size()} ranks")
+        shards = ep.expert_fsdp_mesh.size()  # 1: each ep rank holds its experts whole (no "FSDP over 1 ranks")
+        done.steps.append(f"expert_parallel: ep={ep.mesh.size()}, {len(layers)} MoE layers, "
+                          + (f"experts FSDP over {shards} ranks" if shards > 1 else "experts not FSDP-sharded"))
     stage("expert_parallel")
     # 5b. context parallel: attention gathers the keys and values of the cp ranks and positions
     #     follow the rank's shard of each sequence; before checkpointing and compile, so that

@@ -7,8 +7,9 @@ sequence of the data module's batch split over the cp ranks), the ZeRO stage to
 checkpointing policy to ``SelectiveActivationCheckpointing(policy, every_k)``, fp8 to
 ``Float8Training``, the batch to ``TokenDataModule.batch_size`` (the micro batch, times the
 pipeline's micro-batches: the strategy splits each batch into them) and ``accumulate_grad_batches``,
-the token budget to ``max_steps``, and the Young/Daly interval to
-``ModelCheckpoint(every_n_train_steps)``. The data source is a placeholder to replace.
+the token budget to ``max_steps``, the Young/Daly interval (at most ``max_steps``) to
+``ModelCheckpoint(every_n_train_steps)``, the planned vocabulary to ``GPTModule(vocab_size)`` with
+the package's tokenizer that fits it (``tokenizer_for``). The data source is a placeholder to replace.
 
 ``layout_from_config`` reads such a YAML back (degrees, ZeRO stage, pipeline arguments,
 checkpointing policy): the layout the plan describes for a config, e.g. to compare it with what
@@ -22,9 +23,10 @@ from pathlib import Path
 
 import yaml
 
+from lightning_disttrain.data.tokenizer import GPT2_N_VOCAB, ByteTokenizer
 from lightning_disttrain.models.gpt import PRESETS
 from lightning_disttrain.planning.layouts import Candidate
-from lightning_disttrain.planning.model_shape import SHAPES
+from lightning_disttrain.planning.model_shape import SHAPES, config_for
 from lightning_disttrain.planning.planner import Plan
 from lightning_disttrain.planning.spec import DEGREES, Layout
 
@@ -62,6 +64,32 @@ def find_candidate(plan: Plan, name: str) -> Candidate:
                      + "; ".join(c.layout.name for c in plan.candidates))
 
 
+def tokenizer_for(vocab: int) -> str:
+    """The package's tokenizer for a model of ``vocab`` tokens: GPT-2's BPE (50,257) when the
+    vocabulary holds it, else bytes (257). A larger vocabulary (Llama 3's 128,256) stays the
+    model's, as planned (``GPTModule(vocab_size=...)``): the tokenizer uses its first ids, the
+    memory and speed are the plan's; the package has no tokenizer of that size."""
+    if vocab >= GPT2_N_VOCAB:
+        return "gpt2"
+    if vocab >= ByteTokenizer.n_vocab:
+        return "bytes"
+    raise ValueError(f"vocab_size={vocab} is smaller than every tokenizer of this package (bytes: "
+                     f"{ByteTokenizer.n_vocab}, gpt2: {GPT2_N_VOCAB}); plan with --override vocab_size=257 or more")
+
+
+def run_steps(plan: Plan, chosen: Candidate) -> tuple[int, int]:
+    """``max_steps`` (the token budget's steps, ``--tokens``; else 1000) and the checkpoint cadence:
+    the Young/Daly interval in steps, at most ``max_steps``. A run shorter than the interval still
+    saves once, at its last step (where the interval is longer than the run, that is the one
+    checkpoint worth its cost)."""
+    max_steps = every = 1000
+    if plan.cost is not None and chosen is plan.chosen:
+        max_steps = math.ceil(plan.cost.hours * 3600 / (1 + plan.failures.overhead) / plan.speed.step_seconds)
+    if plan.speed is not None and plan.failures is not None and chosen is plan.chosen:
+        every = max(1, round(plan.failures.interval_seconds / plan.speed.step_seconds))
+    return max_steps, min(every, max_steps)
+
+
 def config_dict(plan: Plan, model_name: str, model_overrides: dict, candidate: Candidate | None = None) -> dict:
     """The LightningCLI config of ``plan``'s recommendation, or of ``candidate`` (one of its
     layouts); a ValueError when there is none, or the candidate cannot run as planned."""
@@ -79,15 +107,11 @@ def config_dict(plan: Plan, model_name: str, model_overrides: dict, candidate: C
     if w.precision == "fp8":
         callbacks.append({"class_path": "lightning_disttrain.callbacks.Float8Training"})
     callbacks.append({"class_path": "lightning_disttrain.callbacks.MFUMonitor"})
-    every = 1000
-    if plan.speed is not None and plan.failures is not None and chosen is plan.chosen:
-        every = max(1, round(plan.failures.interval_seconds / plan.speed.step_seconds))
+    max_steps, every = run_steps(plan, chosen)
     callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                       "init_args": {"dirpath": "runs/planned/checkpoints", "every_n_train_steps": every,
                                     "save_last": "link", "enable_version_counter": False}})
-    max_steps = 1000
-    if plan.cost is not None and chosen is plan.chosen:
-        max_steps = math.ceil(plan.cost.hours * 3600 / (1 + plan.failures.overhead) / plan.speed.step_seconds)
+    vocab = config_for(model_name, model_overrides).vocab_size
     if model_name not in PRESETS:  # a planner shape: a GPT preset with every field of the shape set
         model_overrides = {**SHAPES[model_name], **model_overrides}
         model_name = "gpt2-124m"
@@ -101,12 +125,15 @@ def config_dict(plan: Plan, model_name: str, model_overrides: dict, candidate: C
             "strategy": strategy, "precision": _PRECISION[w.precision], "max_steps": max_steps,
             "accumulate_grad_batches": chosen.accumulation, "gradient_clip_val": 1.0,
             "log_every_n_steps": 10, "default_root_dir": "runs/planned", "callbacks": callbacks,
+            # named, as in the shipped configs: Lightning's default logger warns about tensorboardX
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": "runs/planned", "name": "logs"}},
         },
         "model": {"class_path": "lightning_disttrain.GPTModule",
-                  "init_args": {"config": model_name, "model_overrides": overrides or None,
+                  "init_args": {"config": model_name, "vocab_size": vocab, "model_overrides": overrides or None,
                                 "warmup_steps": min(700, max_steps // 10)}},
         "data": {"class_path": "lightning_disttrain.TokenDataModule",
-                 "init_args": {"source": "REPLACE/with/your/shards_*.bin", "tokenizer": "gpt2",
+                 "init_args": {"source": "REPLACE/with/your/shards_*.bin", "tokenizer": tokenizer_for(vocab),
                                "seq_len": w.seq_len, "batch_size": w.micro_batch * layout.microbatches}},
     }
 
@@ -119,8 +146,20 @@ def write_config(path: str | Path, plan: Plan, model_name: str, model_overrides:
     why = plan.reason if chosen is plan.chosen else (
         f"{chosen.layout.name}, chosen by --layout: needs {chosen.memory.total / 1e9:.1f} GB per GPU, "
         f"{chosen.memory.headroom / 1e9:.1f} GB to spare" + ("" if chosen.memory.fits else " (does NOT fit)"))
+    trainer, init = data["trainer"], data["model"]["init_args"]
+    vocab, tokenizer = init["vocab_size"], data["data"]["init_args"]["tokenizer"]
+    n_tokens = GPT2_N_VOCAB if tokenizer == "gpt2" else ByteTokenizer.n_vocab
+    every = trainer["callbacks"][-1]["init_args"]["every_n_train_steps"]
     header = (f"# Written by: {command}\n# {why}\n"
-              f"# The model's vocabulary comes from the data module's tokenizer; set data.source before running.\n")
+              f"# Set data.source before running: shards made with `lightning-disttrain prepare --tokenizer {tokenizer}`.\n"
+              + (f"# vocab_size {vocab} as planned; the {tokenizer} tokenizer uses the first {n_tokens} of those ids "
+                 f"(this package has no {vocab}-token tokenizer).\n" if vocab != n_tokens else "")
+              + f"# max_steps {trainer['max_steps']}: "
+              + ("a placeholder (pass --tokens for the budget's steps)" if plan.cost is None else
+                 "the --tokens budget" if chosen is plan.chosen else
+                 "a placeholder (the --tokens budget's steps are computed for the recommended layout)")
+              + f"; a checkpoint every {every} steps"
+              + (" (the Young/Daly interval)" if every < trainer["max_steps"] else ", the last one") + ".\n")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + yaml.safe_dump(data, sort_keys=False))

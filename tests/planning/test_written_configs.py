@@ -147,3 +147,48 @@ def test_written_config_fits_two_steps(launched, name):
     text = "\n".join(ranks[0]["log"] + ranks[0]["layout"])
     if expected:
         assert expected in text, text[-4000:]
+
+
+# ---- the written YAML runs the planned model, and checkpoints within the run (issue 42, item 6) -----------
+
+
+def _write(tmp_path, capsys, *args: str) -> tuple[dict, str]:
+    path = tmp_path / "planned.yaml"
+    main(["plan", *args, "--write-config", str(path)])
+    assert f"wrote {path}" in capsys.readouterr().out
+    return yaml.safe_load(path.read_text()), path.read_text()
+
+
+def test_written_config_builds_the_planned_vocabulary(tmp_path, capsys):
+    # Formerly `tokenizer: gpt2` and no vocab_size: the model took GPT-2's 50,257 tokens, not the
+    # 128,256 the plan's memory and speed assumed for Llama 3.
+    from lightning_disttrain import GPTModule, TokenDataModule
+
+    config, text = _write(tmp_path, capsys, "--model", "llama3-8b")
+    init = config["model"]["init_args"]
+    module = GPTModule(**{k: v for k, v in init.items() if k != "warmup_steps"})
+    assert module.config.vocab_size == 128256
+    assert shape_of(module.config, 2048).params == shape_of(config_for("llama3-8b"), 2048).params
+    tokenizer = config["data"]["init_args"]["tokenizer"]
+    assert tokenizer == "gpt2" and "vocab_size 128256 as planned" in text
+    data = TokenDataModule(source="embedded", tokenizer=tokenizer)
+    assert data.vocab_size <= module.config.vocab_size  # the data module's check before the first batch
+
+
+def test_written_config_picks_the_tokenizer_of_a_small_vocabulary(tmp_path, capsys):
+    config, text = _write(tmp_path, capsys, "--model", "tiny", *PLAN, "--gpus-per-node", "1")
+    assert config["data"]["init_args"]["tokenizer"] == "bytes" and config["model"]["init_args"]["vocab_size"] == 257
+    assert "as planned" not in text  # the tokenizer is the vocabulary: nothing to explain
+
+
+@pytest.mark.parametrize("budget", [[], ["--tokens", "1e11"]])
+def test_written_checkpoint_cadence_happens_within_max_steps(tmp_path, capsys, budget):
+    # Formerly every_n_train_steps: 8242 beside max_steps: 1000 (or 1908): no checkpoint ever.
+    config, text = _write(tmp_path, capsys, "--model", "llama3-8b", *budget)
+    trainer = config["trainer"]
+    (checkpoint,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
+    every = checkpoint["init_args"]["every_n_train_steps"]
+    assert 1 <= every <= trainer["max_steps"], (every, trainer["max_steps"])
+    assert f"a checkpoint every {every} steps" in text
+    if budget:  # the budget's steps, and the Young/Daly interval inside them
+        assert trainer["max_steps"] > every and "(the Young/Daly interval)" in text
