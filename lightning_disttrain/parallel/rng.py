@@ -22,7 +22,7 @@ strategies (``NDParallelStrategy.setup``) call ``seed_training_streams`` for tho
   activations they hold replicated (the residual stream without sequence parallel, the embedding
   output) draws the same mask on each copy, as it must.
 
-  Known difference from one process (documented in the README): with sequence parallel, the TP
+  Known difference from one process (docs/guides/existing-project.md): with sequence parallel, the TP
   ranks of a group draw *the same* mask for their *different* sequence shards, and attention
   dropout draws the same mask for the different heads each TP rank holds. The masks are
   correlated across those shards, not wrong in distribution; one process would draw one mask over

@@ -26,7 +26,7 @@ The package's own policies are declared on the module: ``layout_independent_init
 ``parallel.rng``); ``GPTModule`` declares both.
 
 Import the class from ``lightning_disttrain.strategies`` instead of ``lightning.pytorch.strategies``
-(or change the ``class_path`` in YAML); README, "Moving from Lightning's strategies", has the table.
+(or change the ``class_path`` in YAML); docs/guides/from-lightning.md has the table.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class FSDPStrategy(NDParallelStrategy):
         foreign = sorted(k for k in kwargs if k not in ours)
         if foreign:
             raise ValueError(f"FSDPStrategy({', '.join(f'{k}=...' for k in foreign)}): FSDP1 arguments without an "
-                             f"FSDP2 equivalent here; remove them (README, 'Moving from Lightning's strategies')")
+                             f"FSDP2 equivalent here; remove them (docs/guides/from-lightning.md)")
         name = getattr(sharding_strategy, "name", sharding_strategy)
         if name == "NO_SHARD":
             raise ValueError("FSDPStrategy(sharding_strategy='NO_SHARD') is data parallel without sharding: use "
