@@ -109,6 +109,7 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
         pp_split_points: Optional[list[int]] = None,
         pp_edge_cost: float = 0.0,
         fault_tolerance: Optional[Union[FaultTolerance, dict[str, Any]]] = None,
+        release_process_groups_at_teardown: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -140,6 +141,10 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
                              f"every micro-batch, gradients stay sharded) or True (one reduce-scatter per step)")
         self.accumulate_unsharded_grads = accumulate_unsharded_grads
         self.async_save = async_save
+        if not isinstance(release_process_groups_at_teardown, bool):
+            raise ValueError(f"release_process_groups_at_teardown={release_process_groups_at_teardown!r}: use False "
+                             f"(keep them for a later fit, validate or test in this process) or True")
+        self.release_process_groups_at_teardown = release_process_groups_at_teardown
         if on_save_error not in ("stop", "warn"):
             raise ValueError(f"on_save_error={on_save_error!r}: use 'stop' (a failed checkpoint save ends fit on "
                              f"every rank) or 'warn' (log it and keep training)")
@@ -438,6 +443,8 @@ class _NDParallelBase(FaultTolerantStepMixin, ContextStepMixin, PipelineStepMixi
         # trainer.validate/test with the same module (ModelParallelStrategy does the same).
         assert self.cluster_environment is not None and self.accelerator is not None
         self._ft_teardown()
+        if self.release_process_groups_at_teardown:
+            self.release_process_groups()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -463,6 +470,13 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
             part of the model between micro-batches (what ``plan --accumulate-unsharded-grads``
             counts). Choose True only when that fits and communication is the bottleneck.
         async_save: checkpoints are written in the background (used by ``DCPCheckpointMixin``).
+        release_process_groups_at_teardown: False (default): the layout's process groups stay for the
+            process when ``fit``/``validate``/``test`` ends, so that a later stage with the same module
+            (``trainer.test(model)`` after ``fit``) runs on them and a later fit of the same layout
+            makes none (``parallel.mesh._POOL``). True: they are destroyed at teardown (with torch's
+            caches that hold them: their threads and communicators end once the module is gone), for
+            a sweep or notebook that moves through layouts; the module this strategy sharded cannot
+            be used by a later stage then. ``release_process_groups()`` does the same on demand.
         on_save_error: a checkpoint that cannot be written (disk full): ``"stop"`` ends ``fit`` on
             every rank with the error, ``"warn"`` logs it and trains on. The previous checkpoints
             stay valid either way.

@@ -73,6 +73,13 @@ def fit_run(run: str, devices: int) -> dict:
     result["new_groups_for_the_same_layout"] = _groups() - after
     result["threads_after_refits"] = _threads()
     release_all_meshes()
+    gc.collect()
+    # NDParallelStrategy(release_process_groups_at_teardown=True): each fit destroys what it made
+    result["at_teardown"] = []
+    for name, degrees in LAYOUTS.items():
+        _fit(devices, {**degrees, "release_process_groups_at_teardown": True})
+        gc.collect()  # the finished fit's module (its DTensors' meshes hold the groups' objects)
+        result["at_teardown"].append({"layout": name, "groups": _groups(), "threads": _threads()})
     return result
 
 

@@ -24,3 +24,12 @@ def test_a_layout_rebuilt_after_release_trains_exactly_as_before_and_reuse_makes
     for r in two["three_fits"]:
         assert r["losses"]["tp2_after_release"] == r["losses"]["tp2"] == r["losses"]["tp2_again"]
         assert r["new_groups_for_the_same_layout"] == 0
+
+
+def test_release_at_teardown_leaves_groups_and_threads_where_they_started_after_each_fit(two):
+    # a sweep over layouts in one process, each fit with release_process_groups_at_teardown=True
+    for r in two["three_fits"]:
+        start = r["end"]  # after release_all_meshes(): the default group only
+        assert [x["layout"] for x in r["at_teardown"]] == ["fsdp2", "tp2", "hsdp"]
+        for after in r["at_teardown"]:
+            assert (after["groups"], after["threads"]) == (start["groups"], start["threads"]), r["at_teardown"]
