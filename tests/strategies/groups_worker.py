@@ -59,6 +59,7 @@ def fit_run(run: str, devices: int) -> dict:
         losses = _fit(devices, degrees)
         if start is None:  # the default group exists from the first fit on
             release_all_meshes()
+            gc.collect()  # earlier runs' modules (their meshes hold released groups' objects, and threads)
             start = {"groups": _groups(), "threads": _threads()}
             losses = _fit(devices, degrees)
         result["losses"][name] = losses
