@@ -72,7 +72,7 @@ def _trainer(strategy, devices: int, callbacks=(), max_steps: int = base.STEPS, 
     if ckpt_dir is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, save_top_k=-1,
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=RESUME_AT, save_top_k=-1,
                                          filename="step={step}", auto_insert_metric_name=False))
     return L.Trainer(callbacks=callbacks, strategy=strategy, devices=devices, accelerator="cpu", max_steps=max_steps,
                      gradient_clip_val=base.CLIP, logger=False, enable_checkpointing=ckpt_dir is not None,
@@ -85,6 +85,9 @@ def _fit(model: CPGPT, strategy, devices: int, dp: int, **kwargs) -> tuple[L.Tra
     trainer.fit(model, ckpt_path=kwargs.get("ckpt_path"))
     return trainer, model.step_losses()
 
+
+RESUME_AT = base.STEPS // 2
+"""``resume`` / ``reshard``: the step whose checkpoint the second fit resumes from (half way)."""
 
 PLANNED_MODELS = {"gpt2": {}, "llama-gqa": dict(mlp="swiglu", norm="rmsnorm", pos_emb="rope", bias=False, n_kv_head=2)}
 
@@ -137,16 +140,17 @@ def fit_run(run: str, devices: int) -> dict:
         trainer, losses = _fit(CPGPT("learned" if run.endswith("learned") else "rope"), "auto", 1, 1)
         return {"losses": losses}
     out = Path(os.environ.get("LDT_LAUNCH_OUT", "/tmp")) / f"cp_{run}_{devices}"
-    if run == "reshard":  # cp=2 saves at step 4; dp=2 (cp=1) on the same 2 ranks resumes it
+    ckpt = str(out / f"step={RESUME_AT}.ckpt")
+    if run == "reshard":  # cp=2 saves at step RESUME_AT; dp=2 (cp=1) on the same 2 ranks resumes it
         _fit(CPGPT(), NDParallelStrategy(cp=2, dp_shard=1), devices, 1, ckpt_dir=out)
         L.seed_everything(0)
-        trainer, losses = _fit(CPGPT(), NDParallelStrategy(dp_shard=2), devices, 2, ckpt_path=str(out / "step=4.ckpt"))
+        trainer, losses = _fit(CPGPT(), NDParallelStrategy(dp_shard=2), devices, 2, ckpt_path=ckpt)
         return {"resumed": losses}
-    if run == "resume":  # cp=2 saves at step 4 and resumes with cp=2
+    if run == "resume":  # cp=2 saves at step RESUME_AT and resumes with cp=2
         _fit(CPGPT(), NDParallelStrategy(cp=2, dp_shard=1), devices, 1, ckpt_dir=out)
         L.seed_everything(0)
         trainer, losses = _fit(CPGPT(), NDParallelStrategy(cp=2, dp_shard=1), devices, 1,
-                               ckpt_path=str(out / "step=4.ckpt"))
+                               ckpt_path=ckpt)
         return {"resumed": losses}
     degrees = RUNS[run]
     callbacks = []

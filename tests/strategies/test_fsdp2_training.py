@@ -1,7 +1,7 @@
 """FSDP2 through ``L.Trainer`` on 2 and 4 gloo ranks against one process with the same GLOBAL batch.
 
 Each launch runs several ``trainer.fit`` (``fsdp2_worker.py``); Lightning's subprocess launcher
-starts the other ranks. Compared per optimizer step over 8 steps: the loss averaged over the
+starts the other ranks. Compared per optimizer step over ``STEPS`` (4) steps: the loss averaged over the
 global batch, the gradient norm (every gradient gathered whole), the norm after clipping.
 """
 

@@ -1,5 +1,5 @@
 """A mixture-of-experts GPT (4 experts top-2 + 1 shared, DeepSeek-V3 bias balancing) against one
-process, 8 steps, fp32: under fsdp2 on 2 gloo ranks, expert parallel ep=2 on 2 ranks (each rank
+process, 4 steps, fp32: under fsdp2 on 2 gloo ranks, expert parallel ep=2 on 2 ranks (each rank
 holds 2 experts, tokens by all-to-all) and ep=2 x FSDP over the other 2 of 4 ranks with selective
 activation checkpointing. Losses, the balancing bias on every rank, weights."""
 

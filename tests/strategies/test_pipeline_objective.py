@@ -1,5 +1,5 @@
 """Pipeline parallel trains the objective of one process, and communicates as little: through
-``L.Trainer`` against one process with the same global batch, fp32, 8 optimizer steps.
+``L.Trainer`` against one process with the same global batch, fp32, 4 optimizer steps.
 
 - A mixture of experts ("tiny-moe" at pp_worker's width, balance and z losses on) under pp=2: the
   auxiliary losses of every stage's MoE layers are part of the loss and of the gradients, and the

@@ -1,4 +1,4 @@
-"""Pipeline parallel through ``L.Trainer`` against one process with the same global batch, 8 steps,
+"""Pipeline parallel through ``L.Trainer`` against one process with the same global batch, 4 steps,
 fp32: every schedule kind on 2 gloo ranks (GPipe, 1F1B, Interleaved1F1B with 2 stages per rank,
 ZBVZeroBubble; GPipe with gradient accumulation), pp x fsdp2 and pp x tp on 4 ranks, pp x fsdp2 x tp on 8.
 Each run also validates (forward-only schedule) and generates (the last stage's logits sent to
@@ -46,7 +46,7 @@ def test_pipeline_matches_one_process(ranks, single, run):
         assert r["losses"] == pytest.approx(reference["losses"], abs=TOL)  # the same value on every rank
         assert r["val_loss"] == pytest.approx(reference["val_loss"], abs=TOL)
         assert r["generated"] == reference["generated"]
-        for name, value in r["params"].items():  # sums of whole tensors after 8 steps
+        for name, value in r["params"].items():  # sums of whole tensors after the steps
             assert value == pytest.approx(reference["params"][name], abs=1e-4), name
         held.update(r["params"])
     assert sorted(held) == sorted(reference["params"])  # the stages hold every parameter, under its own name

@@ -1,5 +1,5 @@
 """Tensor parallel (+ sequence and loss parallel) through ``L.Trainer`` on 2 gloo ranks against one
-process with the same global batch, 8 steps, fp32: GPTModule in several shapes, with activation
+process with the same global batch, 4 steps (``STEPS``), fp32: GPTModule in several shapes, with activation
 checkpointing and float8, and a LightningModule with its own plan. FSDP2 x TP 2x2 is in
 test_fsdp2_training.py, TP checkpoints (resume, reshard) in tests/checkpoint/test_resume.py.
 Bad input: in process, no ranks launched."""
@@ -26,7 +26,7 @@ TOL = 1e-5
 FLOAT8_TOL = 1e-3
 """float8 (emulated on CPU) under TP vs one process: the same casts, scales from the same amax
 (all-reduced over the shards), but matmuls over half the columns round differently; measured
-2.2e-4 at most over the 8 steps."""
+2.2e-4 at most over 8 steps, 5.0e-5 over the 4 of ``STEPS``."""
 
 
 @pytest.fixture(scope="module")
