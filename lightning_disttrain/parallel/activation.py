@@ -266,6 +266,9 @@ def checkpoint_block(block: nn.Module, config: ActivationCheckpointConfig,
     if "forward" in block.__dict__:
         raise ValueError(f"{type(block).__name__} already has an instance-level forward (another "
                          f"wrapper?); checkpointing would bypass it. Apply checkpointing first.")
+    # Read the block class's forward signature now, not first inside a compiled forward: filling
+    # the module-level cache there made dynamo guard on it and recompile the next block.
+    _parameter_names(type(block))
     # Plain instance attributes (not submodules / buffers): state_dict and FQNs are untouched.
     object.__setattr__(block, _MARK, config)
     object.__setattr__(block, "_ldt_ac_context_fn",

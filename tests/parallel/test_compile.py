@@ -83,6 +83,23 @@ def test_no_recompile_warning_for_fixed_shapes():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
 
 
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_checkpointed_blocks_compile_once(policy):
+    # Checkpointing reads each block class's forward signature (the KV-cache arguments it drops):
+    # filled in a module-level cache inside the compiled region, dynamo guarded on the cache and
+    # recompiled the second block at step 0, which RecompileWatcher reported to users.
+    blocks = _blocks()
+    apply_activation_checkpointing(blocks, policy=policy)
+    apply_compile(blocks, backend="eager")
+    watcher = RecompileWatcher()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            _step(blocks, seq_len=16)
+            assert watcher.check(step) == []
+    assert not [w for w in caught if issubclass(w.category, RecompileWarning)]
+
+
 def test_recompile_warning_when_sequence_length_changes():
     blocks = _blocks()
     apply_compile(blocks, backend="eager")
