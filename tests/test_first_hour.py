@@ -78,10 +78,11 @@ def _short_error(result: subprocess.CompletedProcess, max_lines: int = 4) -> str
 # ---- 2. dependencies -----------------------------------------------------------------------------
 
 
-OPTIONAL = {"torchft": "ft"}
+OPTIONAL = {"torchft": "ft", "matplotlib": "plot"}
 """Imports allowed outside [project].dependencies: declared in that extra, and only inside functions
 (the feature's code path; a bare install imports every module without them). torchft has wheels
-for Linux x86_64 only, so it cannot be a dependency of every install."""
+for Linux x86_64 only, so it cannot be a dependency of every install; matplotlib draws only
+``plan --plot`` (and some 40 MB of wheels a training job does not need)."""
 
 
 def _names(pyproject: dict, key: str | None) -> set[str]:

@@ -63,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     o.add_argument("--write-config", metavar="YAML", help="write a LightningCLI YAML for the recommendation")
+    o.add_argument("--plot", metavar="FILE", help="also draw each layout's memory per device as a chart (.png, "
+                   ".svg or .pdf; needs matplotlib: pip install 'lightning-disttrain[plot]')")
     o.add_argument("--layout", metavar="NAME", help="with --write-config: write this layout of the table instead "
                    "of the recommendation (its name as printed, e.g. 'FSDP2 x8 + TP 2')")
     return p
@@ -108,24 +110,35 @@ def plan_main(argv: list[str] | None = None) -> None:
             raise ValueError("--spot-price needs --preemptions-per-hour (spot preemptions per node-hour, e.g. 0.05)")
         if not 0 <= args.margin < 1:
             raise ValueError(f"--margin {args.margin} must be in [0, 1)")
+        if args.plot:
+            from lightning_disttrain.planning.plot import check_path
+
+            check_path(args.plot)  # before the planning, with the other bad input
         plan = make_plan(shape, workload, cluster, money, args.mfu, args.margin, args.accumulate_unsharded_grads)
-        written = None
+        written = plotted = None
         if args.layout and not args.write_config:
             raise ValueError("--layout names the layout --write-config writes: add --write-config YAML")
         if args.write_config:
             command = "lightning-disttrain plan " + shlex.join(sys.argv[2:] if argv is None else argv)
             candidate = find_candidate(plan, args.layout) if args.layout else None
             written = write_config(args.write_config, plan, name, overrides, command, candidate)
+        if args.plot:
+            from lightning_disttrain.planning.plot import plot_memory
+
+            command = "lightning-disttrain plan " + shlex.join(sys.argv[2:] if argv is None else argv)
+            plotted = plot_memory(plan, args.plot, command)
     except ValueError as err:
         print(f"error: plan: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.json:
-        out = plan.to_dict() | ({"config": str(written)} if written else {})
+        out = plan.to_dict() | ({"config": str(written)} if written else {}) | ({"plot": str(plotted)} if plotted else {})
         print(json.dumps(out, indent=2))
     else:
         print_plan(plan)
         if written:
             print(f"wrote {written}")
+        if plotted:
+            print(f"wrote {plotted}")
     if plan.chosen is None and not written:
         print(f"error: plan: {plan.reason}", file=sys.stderr)
         raise SystemExit(1)
