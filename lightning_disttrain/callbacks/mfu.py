@@ -156,6 +156,10 @@ class MFUMonitor(Callback):
         tokens_fn: ``batch -> (tokens on this rank, seq_len)``; default: ``x`` of an ``(x, y)`` batch.
         device_timing: time spans on the device's timeline (CUDA events) on a GPU; False: host clocks.
         peak_flops_fp8: the dense fp8 peak FLOP/s for ``perf/mfu_fp8``; None looks it up by name.
+        data_wait_threshold: the share of step time spent waiting for the next batch from which the
+            low-MFU warning names the dataloader as a cause (and no longer suspects communication).
+        small_batch_tokens: tokens per device per micro-batch below which the warning names the
+            batch as too small to fill the device.
     """
 
     def __init__(self, window: int = 20, peak_flops: float | None = None, warn_below: float = 0.30,

@@ -22,7 +22,12 @@ Notice = Callable[[], "str | bool | None"]
 
 
 class AWSSpotNotice:
-    """``http://169.254.169.254/latest/meta-data/spot/instance-action`` with an IMDSv2 token."""
+    """``http://169.254.169.254/latest/meta-data/spot/instance-action`` with an IMDSv2 token.
+
+    Args:
+        base_url: the instance metadata service (the link-local default on EC2; a test server).
+        timeout_s: each HTTP request's timeout: a poll never blocks the poller thread longer.
+    """
 
     def __init__(self, base_url: str = "http://169.254.169.254", timeout_s: float = 1.0) -> None:
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
@@ -47,7 +52,12 @@ class AWSSpotNotice:
 
 
 class GCPPreemptionNotice:
-    """``http://metadata.google.internal/computeMetadata/v1/instance/preempted`` (``TRUE`` / ``FALSE``)."""
+    """``http://metadata.google.internal/computeMetadata/v1/instance/preempted`` (``TRUE`` / ``FALSE``).
+
+    Args:
+        base_url: the metadata server (the default on GCE; a test server).
+        timeout_s: each HTTP request's timeout: a poll never blocks the poller thread longer.
+    """
 
     def __init__(self, base_url: str = "http://metadata.google.internal", timeout_s: float = 1.0) -> None:
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s

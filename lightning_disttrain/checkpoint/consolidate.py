@@ -249,8 +249,9 @@ def load_consolidated(file: str | os.PathLike, *, prefix: str | None = None,
 
 def gpt_from_exported(path: str | os.PathLike, *, config: GPTConfig | None = None,
                       weights_only: bool = True) -> GPT:
-    """The GPT in a file written by ``lightning-disttrain export`` / ``export_consolidated``,
-    built from the config stored with its weights, ready for inference.
+    """The GPT in the file ``path`` written by ``lightning-disttrain export`` /
+    ``export_consolidated``, built from the config stored with its
+    weights, ready for inference.
 
     The model comes back in eval mode (dropout off; call ``.train()`` to fine-tune it), in the
     dtype the weights were exported in, with ``trim_logits`` set: ``model(idx)`` gives logits

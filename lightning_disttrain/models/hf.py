@@ -269,8 +269,9 @@ def load_hf_weights_(model: GPT, path: str | os.PathLike) -> None:
 
 
 def gpt_from_hf(path: str | os.PathLike, **overrides) -> GPT:
-    """The model in a Hugging Face directory, in eval mode with ``trim_logits`` set,
-    in the checkpoint's floating-point dtype. ``overrides``: ``OVERRIDABLE`` GPTConfig fields."""
+    """The model in the Hugging Face directory ``path`` (``config.json`` and ``model.safetensors`` or
+    ``pytorch_model.bin``, GPT-2 or Llama family), in eval mode with ``trim_logits`` set, in the
+    checkpoint's floating-point dtype. ``overrides``: ``OVERRIDABLE`` GPTConfig fields."""
     unknown = set(overrides) - {f.name for f in fields(GPTConfig)}
     if unknown:
         raise ValueError(f"GPTConfig has no field(s) {sorted(unknown)}")
