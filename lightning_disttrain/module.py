@@ -65,6 +65,8 @@ class GPTModule(L.LightningModule):
             optimizer step, and ``moe/layer{i}/...`` metrics are logged.
         optimizer: ``"adamw"`` or ``"muon"`` (Muon on the blocks' 2-D matrices, AdamW elsewhere).
         lr: AdamW peak learning rate. muon_lr: Muon's peak learning rate.
+        betas, eps: AdamW's moment decay rates and denominator term.
+        muon_momentum: Muon's momentum (Nesterov) coefficient.
         weight_decay: applied to 2-D weights only.
         schedule: ``"cosine"`` (warmup then cosine to ``min_lr_ratio``), ``"wsd"``
             (warmup-stable-decay, decaying over the last ``decay_fraction``) or ``"constant"``.
