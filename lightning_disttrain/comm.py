@@ -186,3 +186,26 @@ def all_gather_autograd(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
     out = out.movedim(0, dim)
     return out if out.device == tensor.device else out.to(tensor.device)
+
+
+@torch.no_grad()
+def all_to_all_packed(sends: list[torch.Tensor], recv_numels: list[int],
+                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """One ``all_to_all_single`` of a list: ``sends[d]`` (any shape, possibly empty; one dtype
+    for all) goes to the group's rank ``d``; returns the 1-D tensors received, ``recv_numels[s]``
+    elements from rank ``s``, on the device of ``sends[0]``. One collective however uneven the
+    pieces (the sizes are the caller's to know on both sides: no size exchange). Muon's owner
+    exchange (``parallel/muon.py``). Without torch.distributed: ``[sends[0]]`` flattened."""
+    if len(sends) != len(recv_numels):
+        raise ValueError(f"{len(sends)} pieces to send but {len(recv_numels)} sizes to receive")
+    home = sends[0].device
+    if not is_distributed():
+        return [sends[0].reshape(-1)]
+    if len(sends) != dist.get_world_size(group):
+        raise ValueError(f"{len(sends)} pieces for a group of {dist.get_world_size(group)} ranks")
+    device = group_device(group)
+    send = torch.cat([s.reshape(-1).to(device) for s in sends])
+    recv = torch.empty(sum(recv_numels), dtype=send.dtype, device=device)
+    dist.all_to_all_single(recv, send, output_split_sizes=list(recv_numels),
+                           input_split_sizes=[s.numel() for s in sends], group=group)
+    return list(recv.to(home).split(list(recv_numels)))

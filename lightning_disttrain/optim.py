@@ -1,7 +1,8 @@
 """Optimizers and learning-rate schedules for GPT training.
 
 - AdamW with weight decay on 2-D weights only (norms, biases: none), fused on CUDA.
-- Hybrid Muon: ``torch.optim.Muon`` on the 2-D hidden matrices of the blocks, AdamW on the
+- Hybrid Muon: ``torch.optim.Muon``'s update on the 2-D hidden matrices of the blocks (under FSDP2 /
+  HSDP ``parallel.muon.ShardedMuon``: each matrix orthogonalised once, on an owner rank), AdamW on the
   embedding, the head, norms and biases (Muon is defined for hidden matrices only; Keller Jordan's
   recipe). Lightning's automatic optimization takes one optimizer, so the two travel together as
   one ``HybridOptimizer``; checkpointing code unpacks ``.optimizers``.
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -20,6 +22,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_disttrain import _torch_compat as torch_compat
+from lightning_disttrain.parallel.muon import ShardedMuon, sharded_layout_problem
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -129,8 +132,19 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 6e-4, 
     if not hidden:
         raise ValueError("optimizer='muon' found no 2-D hidden matrices; pass hidden_matrices= to choose them")
     # adjust_lr_fn="match_rms_adamw" scales Muon's update to AdamW's RMS so one weight decay fits both.
-    muon = torch.optim.Muon([p for _, p in hidden], lr=muon_lr, weight_decay=weight_decay,
-                            momentum=muon_momentum, adjust_lr_fn="match_rms_adamw")
+    muon_kwargs = dict(lr=muon_lr, weight_decay=weight_decay, momentum=muon_momentum, adjust_lr_fn="match_rms_adamw")
+    problems = {n: sharded_layout_problem(p) for n, p in hidden}
+    unsupported = {n: why for n, why in problems.items() if why}
+    if not unsupported:  # plain tensors, FSDP2, HSDP: each matrix orthogonalised once, on its owner rank
+        muon: Optimizer = ShardedMuon([p for _, p in hidden], **muon_kwargs)
+    else:
+        # A layout the owner path does not take yet (tensor parallel): torch's Muon on the DTensors,
+        # whose Newton-Schulz is DTensor math on the whole matrix (collectives inside each matmul).
+        name, why = next(iter(unsupported.items()))
+        warnings.warn(f"optimizer='muon': {len(unsupported)} matrices (first {name!r}: {why}); using torch.optim.Muon "
+                      "on the DTensors for all of them (whole-matrix Newton-Schulz through DTensor's collectives, "
+                      "every rank computing every matrix)", stacklevel=2)
+        muon = torch.optim.Muon([p for _, p in hidden], **muon_kwargs)
     parts: list[Optimizer] = [muon]
     if rest:
         parts.append(build_adamw(rest, lr, weight_decay, tuple(betas), eps))

@@ -1,18 +1,29 @@
-"""The hybrid Muon optimizer under fsdp2 (DTensor gradients) vs one process: per-step losses.
+"""The hybrid Muon optimizer under fsdp2 (DTensor gradients) vs one process: per-step losses, the
+Muon matrices' full weights after each step, and each optimizer step's collectives (CommDebugMode)
+and time, from the Muon part's start to the AdamW part's end (the closure's forward and backward,
+which Lightning runs inside ``optimizer.step``, are outside).
 
-    python multi_worker.py OUT_DIR DEVICES muon_worker:STRATEGY
+    python multi_worker.py OUT_DIR DEVICES muon_worker:RUN
+
+RUN: a strategy name (``fsdp2``, ``fsdp2_zero2``, ``auto``) or ``hsdp2x2`` (dp_replicate=2 x
+dp_shard=2); ``STRATEGY+fp32``: the Newton-Schulz iteration in fp32; ``STRATEGY+torch``:
+``torch.optim.Muon`` on the DTensors (the path before issue 41; measurements only).
 """
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_disttrain import GPTModule  # noqa: E402  (registers fsdp2)
+from lightning_disttrain.strategies import NDParallelStrategy  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 6, 8, 16, 64
 
@@ -27,7 +38,53 @@ class Losses(L.Callback):
         self.losses.append(trainer.callback_metrics["train/loss"].item())  # sync_dist: the global mean
 
 
-def fit_run(strategy: str, devices: int) -> dict:
+class OptimizerSteps(L.Callback):
+    """Per optimizer step: the collectives and seconds of the Muon and AdamW parts' steps, and the
+    Muon matrices' full weights after it (gathered outside the measured span)."""
+
+    def __init__(self):
+        self.collectives, self.seconds, self.weights = [], [], []
+
+    def on_train_start(self, trainer, pl_module):
+        parts = trainer.optimizers[0].optimizers
+        self.muon = parts[0]
+        parts[0].register_step_pre_hook(self._start)
+        parts[-1].register_step_post_hook(self._stop)
+
+    def _start(self, *_):
+        self.mode = CommDebugMode()
+        self.mode.__enter__()
+        self.t0 = time.perf_counter()
+
+    def _stop(self, *_):
+        self.seconds.append(time.perf_counter() - self.t0)
+        self.mode.__exit__(None, None, None)
+        self.collectives.append(self.mode.get_total_counts())
+        full = [p.full_tensor() if isinstance(p, DTensor) else p for g in self.muon.param_groups for p in g["params"]]
+        self.weights.append([w.detach().flatten().tolist() for w in full])
+
+
+class TorchMuonModule(GPTModule):
+    """``torch.optim.Muon`` on the DTensors in place of the package's Muon (the path before issue 41)."""
+
+    def configure_optimizers(self):
+        out = super().configure_optimizers()
+        parts = out["optimizer"].optimizers
+        parts[0] = torch.optim.Muon(parts[0].param_groups)  # the same groups (lr, schedule's initial_lr)
+        return out
+
+
+class Fp32MuonModule(GPTModule):
+    """The package's Muon with its Newton-Schulz iteration in fp32 (``ShardedMuon.ns_dtype``)."""
+
+    def configure_optimizers(self):
+        out = super().configure_optimizers()
+        out["optimizer"].optimizers[0].ns_dtype = torch.float32
+        return out
+
+
+def fit_run(run: str, devices: int) -> dict:
+    strategy, _, impl = run.partition("+")
     L.seed_everything(0)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(1))
     # Rank r takes slice r of every global batch (Lightning's own sampler would shuffle), so each
@@ -35,11 +92,15 @@ def fit_run(strategy: str, devices: int) -> dict:
     rank, micro = int(os.environ.get("LOCAL_RANK", 0)), GLOBAL_BATCH // devices
     order = [s * GLOBAL_BATCH + rank * micro + i for s in range(STEPS) for i in range(micro)]
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=micro, sampler=order)
-    module = GPTModule("tiny", vocab_size=VOCAB, optimizer="muon", lr=1e-3, muon_lr=0.02,
-                       model_overrides=dict(n_layer=2, n_embd=32, n_head=2, block_size=SEQ))
-    losses = Losses()
-    trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS, callbacks=[losses],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    module_class = {"torch": TorchMuonModule, "fp32": Fp32MuonModule, "": GPTModule}[impl]
+    module = module_class("tiny", vocab_size=VOCAB, optimizer="muon", lr=1e-3, muon_lr=0.02,
+                          model_overrides=dict(n_layer=2, n_embd=32, n_head=2, block_size=SEQ))
+    losses, steps = Losses(), OptimizerSteps()
+    if strategy == "hsdp2x2":
+        strategy = NDParallelStrategy(dp_replicate=2)
+    trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS,
+                        callbacks=[losses, steps], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False)
     trainer.fit(module, loader)
-    return {"losses": losses.losses}
+    return {"losses": losses.losses, "collectives": steps.collectives, "step_seconds": steps.seconds,
+            "weights": steps.weights, "muon": type(steps.muon).__name__}
