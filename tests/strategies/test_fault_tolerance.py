@@ -284,28 +284,105 @@ def test_groups_with_different_initial_weights_are_refused(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_ft_local_runs_the_shipped_config(tmp_path):
+def test_ft_local_runs_the_shipped_config_and_shows_progress_not_torchft_chatter(tmp_path):
+    """One ft-local run of the shipped config (min_replicas 2, so that the groups start together
+    whatever the order they reach the lighthouse in: with 1, a group launched a moment earlier may
+    finish 4 tiny steps alone before the other arrives, seen once in the suite), with trainer
+    options after ft-local's own (--trainer.max_steps 4, as two words): each group trains with the
+    fault-tolerance metrics in its own CSV version directory; the terminal shows a line per group
+    every log_every_n_steps and the fault-tolerance events, while torchft's per-quorum log lines go
+    to <log-dir>/lighthouse.log."""
     import csv
 
     import yaml
 
     repo = HERE.parents[1]
-    # The shipped config with min_replicas 2, so that the groups start together whatever the order
-    # they reach the lighthouse in (with 1, a group launched a moment earlier may finish 4 tiny
-    # steps alone before the other arrives: seen once in the suite).
     config = yaml.safe_load((repo / "configs" / "fault-tolerant.yaml").read_text())
     config["trainer"]["strategy"]["init_args"]["fault_tolerance"]["min_replicas"] = 2
     (tmp_path / "fault-tolerant.yaml").write_text(yaml.safe_dump(config))
+    env = __import__("dist_utils")._env()
+    env.pop("RUST_LOG", None)  # as a user runs it: torchft's lighthouse logs every quorum at INFO
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_disttrain.cli", "ft-local", "--config", str(tmp_path / "fault-tolerant.yaml"),
-         "--groups", "2", "--log-dir", "runs/ftl", "--trainer.max_steps=4",
-         "--trainer.log_every_n_steps=1", "--trainer.val_check_interval=4", "--data.init_args.val_batches=1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=__import__("dist_utils")._env())
-    logs = "".join(p.read_text()[-3000:] for p in sorted((tmp_path / "runs" / "ftl").glob("group*.log")))
-    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    assert "group 0: exit code 0" in proc.stdout and "group 1: exit code 0" in proc.stdout
-    for g in (0, 1):  # each group's own CSV version directory, with the fault-tolerance metrics
+         "--groups", "2", "--log-dir", "runs/ftl", "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2",
+         "--trainer.val_check_interval", "4", "--data.init_args.val_batches", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env, check=False)
+    out = proc.stdout + proc.stderr
+    logs = tmp_path / "runs" / "ftl"
+    assert proc.returncode == 0, out + "".join(p.read_text()[-3000:] for p in sorted(logs.glob("group*.log")))
+    for g in (0, 1):
+        assert f"group {g} | step 2/4" in out and f"group {g} | step 4/4" in out, out
+        assert f"group {g}: exit code 0" in out, out
+        # each group's own CSV version directory, with the fault-tolerance metrics at the logging steps
         rows = [r for r in csv.DictReader(open(tmp_path / "runs" / "fault-tolerant" / "logs" / f"replica_{g}" /
                                                "metrics.csv")) if r.get("ft/live_replicas")]
         assert [(r["step"], float(r["ft/live_replicas"]), float(r["ft/committed"])) for r in rows] == \
-            [(str(step), 2.0, 1.0) for step in range(4)], rows
+            [(str(step), 2.0, 1.0) for step in (1, 3)], rows
+    assert "in the quorum at step 0" in out, out  # the fault-tolerance events
+    assert "Quorum" not in out and "[INFO]" not in out, out
+    assert len(out.splitlines()) <= 20, out
+    assert "Quorum status" in (logs / "lighthouse.log").read_text()
+
+
+def test_ft_local_builds_each_groups_fit_command(monkeypatch, tmp_path):
+    """ft-local's own options are its own (no prefix of them is taken), every other argument goes to
+    each group's fit after the config, a relaunch logs beside its first launch (Lightning's CSV logger
+    deletes the metrics of a version directory it opens again), and each group on CPU gets its share
+    of the cores."""
+    import argparse
+
+    from lightning_disttrain.fault_tolerance import command
+
+    config = HERE.parents[1] / "configs" / "fault-tolerant.yaml"
+    fit_args = ["--trainer.max_steps", "20", "--model.init_args.lr", "-1e-3"]
+    first, again = (command.group_command(config, 1, launch, fit_args) for launch in (0, 1))
+    assert first[first.index("fit"):][:3] == ["fit", "--config", str(config)] and first[-4:] == fit_args, first
+    assert first[first.index("--trainer.logger.init_args.version") + 1] == "replica_1"
+    assert again[again.index("--trainer.logger.init_args.version") + 1] == "replica_1-relaunch1"
+    assert "--trainer.callbacks+=lightning_disttrain.fault_tolerance.command.GroupProgress" in first
+    seen = {}
+
+    def parse_known_args(self, args=None, namespace=None):  # ft-local's parse, then stop before it starts anything
+        seen["result"] = original(self, args, namespace)
+        raise SystemExit(0)
+
+    original = argparse.ArgumentParser.parse_known_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
+    with pytest.raises(SystemExit):
+        command.local_main(["--config", str(config), "--demo", "5", *fit_args])
+    args, rest = seen["result"]
+    assert args.demo_failure is None and rest == ["--demo", "5", *fit_args]  # --demo is not --demo-failure
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert command._threads_per_group(2, config, []) == 1
+    assert command._threads_per_group(1, config, []) == 2
+    assert command._threads_per_group(2, config, ["--trainer.devices", "2"]) == 1  # 4 processes on 2 cores
+    assert command._threads_per_group(2, config, ["--trainer.accelerator=gpu"]) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own setting wins
+    assert command._threads_per_group(2, config, []) is None
+
+
+@pytest.mark.slow
+def test_ft_local_relaunch_keeps_the_first_launchs_logs(tmp_path):
+    """--demo-failure: the SIGKILL and the relaunch are on the terminal, the group's output log holds
+    both launches, and the relaunch's CSV metrics go beside the first launch's (Lightning's CSV
+    logger deletes the metrics.csv of a version directory it opens again)."""
+    import yaml
+
+    repo = HERE.parents[1]
+    config = yaml.safe_load((repo / "configs" / "fault-tolerant.yaml").read_text())
+    config["trainer"]["strategy"]["init_args"]["fault_tolerance"]["min_replicas"] = 2  # group 0 waits for it
+    (tmp_path / "fault-tolerant.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_disttrain.cli", "ft-local", "--config", str(tmp_path / "fault-tolerant.yaml"),
+         "--groups", "2", "--log-dir", "runs/ftl", "--demo-failure", "2", "--trainer.max_steps=4",
+         "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=4", "--data.init_args.val_batches=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=__import__("dist_utils")._env(), check=False)
+    logs = tmp_path / "runs" / "ftl"
+    assert proc.returncode == 0, proc.stdout + proc.stderr + "".join(p.read_text()[-3000:] for p in logs.glob("group*.log"))
+    assert "SIGKILLed group 1" in proc.stdout and "group 1: relaunched" in proc.stdout, proc.stdout
+    text = (logs / "group1.log").read_text()
+    assert "--- launch 0:" in text and "--- launch 1:" in text, text[-3000:]
+    versions = tmp_path / "runs" / "fault-tolerant" / "logs"
+    assert (versions / "replica_1-relaunch1" / "metrics.csv").is_file(), sorted(versions.rglob("*"))
+    assert (versions / "replica_0" / "metrics.csv").is_file()
