@@ -11,7 +11,10 @@ gradients) and puts them in sequence order; each of its two query chunks then at
 of keys up to and including its own chunk under a lower-right causal mask (``ContextParallel.
 attention``). It works with every SDPA backend, CPU included; with grouped-query attention the
 gathered K/V are ``n_kv_head / n_head`` the size of the queries.
-Positions (learned embeddings, RoPE) are the global positions of the rank's tokens.
+Positions (learned embeddings, RoPE) are the global positions of the rank's tokens: those of the
+shard the strategy cut from the batch (``ContextParallel.shard``, recorded per batch), never
+inferred from an activation's shape (a later pipeline stage's hidden states hold 1/tp of the shard
+under sequence parallel).
 
 Plain torch and ``comm``: a model opts in by giving its position-dependent modules a
 ``context_parallel`` attribute (None: off), which the strategy sets to a :class:`ContextParallel`.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,17 +33,46 @@ import torch.nn.functional as F
 from lightning_disttrain import comm
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class ContextParallel:
-    """This rank's place in its context-parallel group."""
+    """This rank's place in its context-parallel group, and the positions of the shard it holds now."""
 
     group: Any
     """The cp ranks: a process group or a 1-D ``DeviceMesh``."""
     rank: int
     size: int
+    positions: torch.Tensor | None = field(default=None, repr=False)
+    """The global positions of this rank's tokens in the batch the strategy sharded last
+    (``shard``), or None before any. Shared by every module (and pipeline stage) of the model."""
 
     def full_length(self, local_len: int) -> int:
         return local_len * self.size
+
+    def shard(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Record that this rank now holds its shard of sequences of ``seq_len`` tokens (the
+        strategy calls it for each batch it shards) and return that shard's global positions."""
+        self.positions = local_positions(seq_len, self.rank, self.size, device)
+        return self.positions
+
+    def shard_positions(self, device: torch.device | str | None = None, tokens: int | None = None) -> torch.Tensor:
+        """The global positions of this rank's tokens in the current forward.
+
+        ``tokens``: how many token ids the forward received, when its input is the ids (the first
+        pipeline stage, or the whole model): with no recorded shard of that many positions (a
+        forward no strategy sharded for), the ids are taken as this rank's shard of a sequence of
+        ``tokens * size``. A forward whose input is hidden states (a later pipeline stage) passes
+        None and gets the recorded shard: the hidden states' length is not the shard's (1/tp of it
+        under sequence parallel), so positions are never inferred from it."""
+        recorded = self.positions
+        if recorded is not None and (tokens is None or recorded.numel() == tokens):
+            return recorded if device is None else recorded.to(device)
+        if tokens is None:
+            raise ValueError(
+                f"cp={self.size}: a pipeline stage after the first needs the positions of this rank's shard of the "
+                f"sequence, which the strategy records when it shards the batch (ContextParallel.shard), and none "
+                f"was recorded: run the model through NDParallelStrategy's steps, or call "
+                f"context_parallel.shard(seq_len) before the forward")
+        return self.local_positions(tokens, device)
 
     def local_positions(self, local_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The global positions of this rank's ``local_len`` tokens."""

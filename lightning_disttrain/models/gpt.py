@@ -386,10 +386,14 @@ class GPT(nn.Module):
         the trainer adds it to the loss.
         """
         cp = self.context_parallel
-        T = idx.size(1)  # this rank's tokens (under context parallel, a shard of the sequence)
-        positions = None if cp is None else cp.local_positions(T, idx.device)
+        # Under context parallel, the global positions of this rank's shard: recorded by the strategy
+        # when it sharded the batch, for every stage (a later stage's input is hidden states, whose
+        # length under sequence parallel is 1/tp of the shard); without it, from the token ids.
+        tokens = idx.size(1) if self.wte is not None else None
+        positions = None if cp is None else cp.shard_positions(idx.device, tokens)
         if self.wte is not None:
-            full = T if cp is None else cp.full_length(T)
+            T = idx.size(1)  # this rank's tokens (under context parallel, a shard of the sequence)
+            full = T if cp is None else cp.full_length(positions.numel())
             if full > self.config.block_size:
                 raise ValueError(f"sequence length {full} exceeds block_size={self.config.block_size}; "
                                  f"use shorter sequences or a config with a larger block_size")

@@ -7,6 +7,11 @@ ranks); here each keeps its chunks of dimension 1 (the sequence) of every tensor
 loss a rank computes is the mean over its tokens, and every rank holds the same number of tokens,
 so averaging over the data-parallel and cp ranks (FSDP's gradient reduction over ``dp_shard x cp``,
 the logged loss over ``dp_cp``) is the mean over the whole batch.
+
+The positions of the shard are recorded on the model's ``ContextParallel`` (``ContextParallel.shard``)
+as the batch is sharded: every pipeline stage takes its RoPE / position rows from there, since a
+later stage's input is hidden states whose length is not the shard's (1/tp of it under sequence
+parallel).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_disttrain.models.context_parallel import check_length, prepare_biases, shard_sequence
+from lightning_disttrain.models.context_parallel import ContextParallel, check_length, prepare_biases, shard_sequence
 
 
 class ContextStepMixin:
@@ -48,7 +53,11 @@ class ContextStepMixin:
 
         out = shard(batch)
         if len(lengths) == 1:
-            prepare_biases(next(iter(lengths)) // size, rank, size)
+            seq_len = next(iter(lengths))
+            prepare_biases(seq_len // size, rank, size)
+            device = next((t.device for t in _tensors(out)), None)
+            for cp in self._context_parallels():
+                cp.shard(seq_len, device)
         if not lengths:
             raise ValueError(f"cp={size} shards each batch along its sequence dimension (dim 1 of every tensor of at "
                              f"least 2 dimensions), but this batch ({type(batch).__name__}) has none: give the "
@@ -57,6 +66,18 @@ class ContextStepMixin:
             raise ValueError(f"cp={size}: the batch's tensors have different sequence lengths {sorted(lengths)} in "
                              f"dimension 1; context parallel shards them all the same way, so they must agree")
         return out
+
+    def _context_parallels(self) -> list[ContextParallel]:
+        """The ``ContextParallel`` of the model's modules and of this rank's pipeline stages (one
+        per model: every module of it shares the object)."""
+        roots = [getattr(self, "lightning_module", None), *getattr(self, "pipeline_stage_modules", ())]
+        found: dict[int, ContextParallel] = {}
+        for root in roots:
+            for m in () if root is None else root.modules():
+                cp = getattr(m, "context_parallel", None)
+                if isinstance(cp, ContextParallel):
+                    found[id(cp)] = cp
+        return list(found.values())
 
     def _sharded(self, args: tuple) -> tuple:
         if self.context_parallel_size == 1 or not args:
@@ -78,3 +99,15 @@ class ContextStepMixin:
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return super().predict_step(*self._sharded(args), **kwargs)  # type: ignore[misc]
+
+
+def _tensors(value: Any):
+    """The tensors of a (nested) batch, in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)

@@ -39,6 +39,10 @@ RUNS = {
     "cp2_learned": dict(cp=2, dp_shard=1),
     "cp2_compile": dict(cp=2, dp_shard=1, compile={"backend": "eager"}),
     "cp2_pp2": dict(cp=2, pp=2, dp_shard=1),
+    # 8 ranks, cp x pp x tp with sequence parallel (the default): the second stage's input is 1/tp of
+    # the cp shard, its positions those the strategy sharded (issue 43)
+    "cp2_pp2_tp2": dict(cp=2, pp=2, tp=2, dp_shard=1),
+    "cp2_pp2_tp2_learned": dict(cp=2, pp=2, tp=2, dp_shard=1),
 }
 
 

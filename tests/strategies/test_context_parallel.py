@@ -21,7 +21,8 @@ from lightning_disttrain.models.context_parallel import (
 
 WORKER = "cp_worker"
 LAUNCH = {2: ["cp2", "activations", "cp2_sac", "cp2_learned", "cp2_compile", "resume", "reshard"],
-          4: ["cp4", "activations", "cp2_dp2", "cp2_tp2", "cp2_pp2"]}  # "activations" after a fit
+          4: ["cp4", "activations", "cp2_dp2", "cp2_tp2", "cp2_pp2"],  # "activations" after a fit
+          8: ["cp2_pp2_tp2", "cp2_pp2_tp2_learned"]}  # in the suite's one 8-rank launch (with pp_worker's)
 TOL = 1e-5
 
 
@@ -49,6 +50,20 @@ def test_cp2_with_learned_positions_matches_one_process(two, single):
 @pytest.mark.parametrize("run", ["cp4", "cp2_dp2", "cp2_tp2", "cp2_pp2"])
 def test_cp_composed_on_four_ranks_matches_one_process(four, single, run):
     _matches(four[run], single["single"]["losses"])
+
+
+@pytest.mark.parametrize("run, baseline", [("cp2_pp2_tp2", "single"), ("cp2_pp2_tp2_learned", "single_learned")])
+def test_cp_pp_tp_with_sequence_parallel_on_eight_ranks_matches_one_process(launched, single, run, baseline):
+    # Issue 43: the second stage's input is hidden states holding 1/tp of the cp shard (sequence
+    # parallel); its RoPE rows are those of the positions the strategy sharded, not of that length.
+    eight = launched(WORKER, 8)
+    _matches(eight[run], single[baseline]["losses"])
+    steps = eight[run][0]["steps"]
+    assert any(s.startswith("pipeline: 1F1B, 2 stages") for s in steps), steps
+    assert any(s.startswith("context_parallel: cp=2") for s in steps), steps
+    assert any(s.startswith("tensor_parallel: tp=2") and ", sequence parallel" in s for s in steps), steps
+    shards = [r["shard"] for r in eight[run]]  # the cp ranks' chunks, equal across pp and tp ranks
+    assert sorted(map(tuple, shards)) == sorted([(0, 1, 2, 3, 12, 13, 14, 15)] * 4 + [(4, 5, 6, 7, 8, 9, 10, 11)] * 4)
 
 
 def test_each_cp_rank_holds_its_load_balanced_chunks(two, four):
@@ -151,6 +166,31 @@ def test_a_batch_without_a_sequence_dimension_is_refused():
         s._shard_batch((torch.zeros(2, 8), torch.zeros(2, 12)))
     x, y = s._shard_batch((torch.arange(8).view(1, 8), torch.arange(8).view(1, 8)))
     assert x.view(-1).tolist() == [0, 1, 6, 7]
+
+
+def test_the_strategy_records_the_positions_of_the_shard_for_every_stage():
+    # Issue 43: a later pipeline stage takes its positions from the shard the strategy cut, not from
+    # its input's length (hidden states: under sequence parallel 1/tp of the shard).
+    from lightning_disttrain.models.gpt import GPT, GPTConfig
+    from lightning_disttrain.parallel.mesh import ParallelDims
+    from lightning_disttrain.strategies import NDParallelStrategy
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=64, pos_emb="rope"))
+    cp = ContextParallel(group=None, rank=0, size=2)
+    for m in model.modules():
+        if hasattr(m, "context_parallel"):
+            m.context_parallel = cp
+    s = NDParallelStrategy(cp=2, dp_shard=1)
+    s._parallel_dims = ParallelDims(cp=2, dp_shard=1, world_size=2)  # cp rank 0: no process group needed
+    s._lightning_module = model
+    with pytest.raises(ValueError, match="needs the positions of this rank's shard"):
+        cp.shard_positions(tokens=None)  # a later stage before any batch was sharded
+    s._shard_batch((torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long)))
+    shard = [0, 1, 2, 3, 12, 13, 14, 15]
+    assert cp.positions.tolist() == shard
+    assert cp.shard_positions(tokens=None).tolist() == shard  # a later stage: whatever its input's length
+    assert cp.shard_positions(tokens=8).tolist() == shard  # the first stage: the sharded ids
+    assert cp.shard_positions(tokens=4).tolist() == [0, 1, 6, 7]  # ids no strategy sharded: a shard of 8
 
 
 def test_a_model_whose_attention_cannot_be_sharded_is_refused():
