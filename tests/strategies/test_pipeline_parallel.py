@@ -117,6 +117,28 @@ def test_split_keeps_the_unsplit_names():
     assert stages[1](h).shape == (2, 8, module.config.padded_vocab_size)
 
 
+@pytest.mark.parametrize("pos_emb, cp, words", [("rope", False, "rope_cos, rope_sin"), ("learned", True, "cp=1"),
+                                                  ("learned", False, None)])
+def test_looped_schedule_stage_views_that_would_miss_state_are_refused(pos_emb, cp, words):
+    # Several stages per rank run as views made at the split: a meta build's RoPE tables stay on the
+    # meta device in them, and context parallel's state never reaches them (issue 43): refused
+    # before any weight exists, instead of a crash in apply_rope or silently wrong positions.
+    from lightning_disttrain.parallel.recipe import PipelineSettings, _refuse_stage_views_that_miss_state
+
+    with torch.device("meta"):
+        module = GPTModule("tiny", vocab_size=64, model_overrides={**worker.MODEL, "pos_emb": pos_emb})
+        module.configure_model()
+    plan = module.parallel_plan()
+    stages = split_model(plan.pipeline, plan.blocks, split_blocks(4, 4), [1, 3])  # rank 1 of an interleaved pp=2
+    settings = PipelineSettings(stages=stages)
+    if words is None:
+        _refuse_stage_views_that_miss_state(module, settings, None)
+        return
+    with pytest.raises(ValueError, match="several stages per rank") as err:
+        _refuse_stage_views_that_miss_state(module, settings, object() if cp else None)
+    assert words in str(err.value) and "1F1B" in str(err.value)
+
+
 # ---- bad input, in process -------------------------------------------------------------------
 
 
