@@ -131,6 +131,8 @@ def test_looped_schedule_stage_views_that_would_miss_state_are_refused(pos_emb, 
     plan = module.parallel_plan()
     stages = split_model(plan.pipeline, plan.blocks, split_blocks(4, 4), [1, 3])  # rank 1 of an interleaved pp=2
     settings = PipelineSettings(stages=stages)
+    # one stage on a rank (1F1B, GPipe) is the model itself, not a view: nothing to refuse
+    _refuse_stage_views_that_miss_state(module, PipelineSettings(stages=[module.model]), object())
     if words is None:
         _refuse_stage_views_that_miss_state(module, settings, None)
         return
