@@ -59,8 +59,11 @@ class Recorder:
         import functools
         import inspect
 
-        # the undecorated function's parameters (torch's logging decorators take *args, **kwargs)
-        signature = inspect.signature(inspect.unwrap(fn))
+        # torch's own function's parameters: torch's logging decorators take *args, **kwargs, and
+        # other workers of the launch wrap torch.distributed's functions too (fsdp2_worker counts
+        # reduce_scatter_single), so read the signature from the c10d module, which no one wraps
+        original = getattr(dist.distributed_c10d, name, fn)
+        signature = inspect.signature(inspect.unwrap(original))
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
