@@ -94,6 +94,8 @@ class ModelShape:
     head_params: int = 0
     """What only the last pipeline stage holds: the final norm and an untied head; 0: half of
     ``embedding_params`` (the rest, token and position tables, is the first stage's)."""
+    pos_emb: str = "learned"
+    """``GPTConfig.pos_emb``: ``rope`` models keep tables the looped pipeline schedules cannot run with yet."""
 
     @property
     def kv_heads(self) -> int:
@@ -185,5 +187,5 @@ def shape_of(config: GPTConfig, seq_len: int, name: str = "custom") -> ModelShap
                       moe_top_k=config.moe_top_k if config.moe_num_experts else 2,
                       moe_hidden=(config.moe_hidden or config.mlp_hidden) if config.moe_num_experts else 0,
                       moe_shared_experts=config.moe_shared_experts, moe_capacity_factor=config.moe_capacity_factor,
-                      moe_layer_ids=moe_ids, layer_params=tuple(blocks), head_params=head)
+                      moe_layer_ids=moe_ids, layer_params=tuple(blocks), head_params=head, pos_emb=config.pos_emb)
 

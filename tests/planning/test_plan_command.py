@@ -199,3 +199,18 @@ def test_unsharded_accumulation_is_written_and_read_back(tmp_path, capsys):
     assert NDParallelStrategy(**init).accumulate_unsharded_grads is True
     layout, _ = layout_from_config(cfg)
     assert layout.accumulate_unsharded_grads
+
+
+def test_a_looped_schedule_is_not_offered_for_a_rope_model():
+    # parallel/recipe.py refuses a looped schedule for a meta-built RoPE model (its stage views keep
+    # the meta RoPE tables, issue 43): the planner marks it "cannot run" instead of recommending it.
+    from lightning_disttrain.planning import Cluster, Workload, config_for, shape_of
+    from lightning_disttrain.planning.layouts import candidate_layouts
+
+    for model, rope in (("llama3-8b", True), ("gpt2-124m", False)):
+        shape = shape_of(config_for(model, {}), 1024)
+        looped = [(layout, note, ok) for layout, note, ok in candidate_layouts(
+            shape, Cluster("H100 SXM", 8, 4), Workload(1024, 256, 1)) if layout.pp > 1
+            and layout.pipeline.schedule != "1F1B"]
+        assert looped
+        assert all(not ok and "RoPE" in note for _, note, ok in looped) if rope else any(ok for *_, ok in looped)

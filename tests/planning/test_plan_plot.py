@@ -53,3 +53,4 @@ def test_without_matplotlib_plot_says_what_to_install(tmp_path, capsys, monkeypa
         main([*PLAN, "--plot", str(tmp_path / "plan.png")])
     assert exit_.value.code == 2
     assert "pip install 'lightning-disttrain[plot]'" in capsys.readouterr().err
+
