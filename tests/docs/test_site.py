@@ -103,10 +103,11 @@ def _ids(blocks):
 
 
 def test_mkdocs_build_strict(tmp_path):
+    # The [test] extra installs the [docs] packages: the README's test command builds the site.
     for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
-        if importlib.util.find_spec(module.split(".")[0]) is None or (
-                "." in module and importlib.util.find_spec(module) is None):
-            pytest.skip(f"{module} is not installed (pip install -e '.[docs]'); .ci/run builds the site strictly")
+        assert importlib.util.find_spec(module.split(".")[0]) is not None and (
+            "." not in module or importlib.util.find_spec(module) is not None), \
+            f"{module} is not installed: pip install -e '.[test]' (it brings the [docs] packages)"
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(REPO / "mkdocs.yml"),
                           "-d", str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, check=False)

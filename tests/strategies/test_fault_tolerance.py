@@ -184,13 +184,14 @@ def test_survivor_trains_on_and_relaunched_group_heals_bitwise(data, tmp_path):
 # -- no failure: the same run as one HSDP job ------------------------------------------------------
 
 
-_EXTENDED_ONLY = pytest.mark.skipif(not EXTENDED, reason="LDT_FT_EXTENDED=1 runs it (about 30 s)")
+# tp and pp inside the groups: an extended run (LDT_FT_EXTENDED=1, about 30 s each), not collected
+# otherwise (the suite's time budget), rather than collected and skipped
+_LAYOUTS = ["fsdp", *(["tp", "pp"] if EXTENDED else [])]
 
 
 @pytest.mark.slow
 @pytest.mark.own_processes  # its 4 fault-tolerant processes run after the shared launches, not beside them
-@pytest.mark.parametrize("layout", ["fsdp", pytest.param("tp", marks=_EXTENDED_ONLY),
-                                    pytest.param("pp", marks=_EXTENDED_ONLY)])
+@pytest.mark.parametrize("layout", _LAYOUTS)
 def test_no_failure_equals_hsdp(data, tmp_path, four, layout):
     """2 groups of 2 ranks (dp_shard=2, tp=2 or pp=2 inside) against one job of 2 replicas of the same."""
     from ft_replica import HSDP_STEPS
