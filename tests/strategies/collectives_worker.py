@@ -75,16 +75,6 @@ class Recorder:
         return wrapper
 
 
-_RECORDER: list[Recorder] = []
-
-
-def _recorder() -> Recorder:
-    """One per process: the runs of a launch share the wrapped functions."""
-    if not _RECORDER:
-        _RECORDER.append(Recorder())
-    return _RECORDER[0]
-
-
 class Functional(TorchDispatchMode):
     """The functional collectives (group by name) among the ops dispatched, and a count of the c10d
     collective ops dispatched (each torch.distributed collective runs one; CommDebugMode counts
@@ -132,13 +122,14 @@ class HostReads:
         return wrapper
 
 
-_HOST_READS: list[HostReads] = []
+_ONCE: dict[type, object] = {}
 
 
-def _host_reads() -> HostReads:
-    if not _HOST_READS:
-        _HOST_READS.append(HostReads())
-    return _HOST_READS[0]
+def _once(cls):
+    """One instance of ``cls`` per process: the runs of a launch share the wrapped functions."""
+    if cls not in _ONCE:
+        _ONCE[cls] = cls()
+    return _ONCE[cls]
 
 
 class PerStep(L.Callback):
@@ -149,8 +140,8 @@ class PerStep(L.Callback):
 
     def __init__(self):
         self.steps: list[dict] = []
-        self.recorder = _recorder()
-        self.host_reads = _host_reads()
+        self.recorder = _once(Recorder)
+        self.host_reads = _once(HostReads)
         self._modes = None
 
     def _close(self) -> None:
