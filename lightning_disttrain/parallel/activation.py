@@ -44,6 +44,7 @@ does (``GradientCheckpointingLayer``), unless the block declares ``_can_checkpoi
 from __future__ import annotations
 
 import inspect
+import time
 import types
 import warnings
 from collections.abc import Callable, Iterable
@@ -345,7 +346,7 @@ class _NewStorageTracker(torch_compat.TorchDispatchMode):
         return out
 
 
-def activation_bytes(forward: Callable[[], Any]) -> tuple[Any, int]:
+def activation_bytes(forward: Callable[[], Any], settle_s: float = 0.0) -> tuple[Any, int]:
     """Run ``forward()``; return its result and the bytes of the tensors it allocated that are
     still alive when it returns: what backward will read (plus the result itself).
 
@@ -355,9 +356,22 @@ def activation_bytes(forward: Callable[[], Any]) -> tuple[Any, int]:
     recomputation closure, and SAC's cache of op outputs). Counting live storages sees all of
     them. Views share their base's storage and count once; parameters are not allocated by the
     forward and do not count.
+
+    ``settle_s``: a collective's work object can hold its tensors a moment after the collective
+    was waited on (gloo's worker thread drops its reference after signalling completion). With
+    ``settle_s > 0`` the count is read again every 10 ms until it has not changed for 200 ms
+    (twenty readings in a row), at most ``settle_s`` seconds: what is left is what the forward keeps.
     """
     tracker = _NewStorageTracker()
     with tracker:
         result = forward()
-    alive = sum(n for ref, n in tracker.storages.values() if not ref.expired())
-    return result, alive
+
+    def alive() -> int:
+        return sum(n for ref, n in tracker.storages.values() if not ref.expired())
+
+    count, deadline, same = alive(), time.monotonic() + settle_s, 0
+    while same < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = alive()
+        same, count = (same + 1 if now == count else 0), now
+    return result, count

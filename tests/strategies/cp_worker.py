@@ -127,7 +127,7 @@ def planned_activations(devices: int, seq: int = 64, batch: int = 2) -> list[dic
                     y = block(y, rope)
                 return y
 
-            y, alive = activation_bytes(forward)
+            y, alive = activation_bytes(forward, settle_s=5.0)
             shape, kw = shape_of(c, seq), dict(e=4, cp=devices, cpu=True, seq_len=seq)
             planned = (stage_bytes(shape, range(3), policy, 2, **kw) * local * batch
                        + stage_constant(shape, range(3), policy, 2, **kw))
