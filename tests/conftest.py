@@ -7,6 +7,24 @@ import torch
 # tests/dist_utils.py (shared multi-process helpers) importable as `dist_utils` from every folder.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# Every process the suite starts skips torchmetrics' optional transformers/matplotlib imports
+# (~1.5 s of each process's start-up; why and what exactly: tests/startup/sitecustomize.py), and so
+# does this one, before anything imports lightning.
+_STARTUP = str(Path(__file__).resolve().parent / "startup")
+# Last on PYTHONPATH (still before site-packages): a sitecustomize earlier on it wins (and may load
+# this one, as benchmarks/bench_suite_time.py's process logger does).
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", ""), _STARTUP] if p)
+
+
+def _install_startup() -> None:  # by path: a sitecustomize of the interpreter's own may be imported already
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ldt_test_startup", Path(_STARTUP) / "sitecustomize.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+_install_startup()
+
 # One intra-op thread in the pytest process: the suite's models are tiny (two threads buy little)
 # and multi-process tests run their ranks beside it; an idle OpenMP pool spinning against those
 # ranks on a 2-core machine made single-process tests 10-20x slower. Spawned ranks get theirs
@@ -33,6 +51,7 @@ import threading  # noqa: E402
 
 import pytest  # noqa: E402
 
+import dist_utils  # noqa: E402
 from dist_utils import read_ranks, run_lightning_script  # noqa: E402
 
 _NEEDED: dict[int, list[tuple[str, str]]] = {}
@@ -41,10 +60,18 @@ _NEEDED: dict[int, list[tuple[str, str]]] = {}
 _LAUNCH_FIXTURES = {"launched", "two", "four"}
 
 
+def _background_fixtures(item) -> set[str]:
+    """The fixtures of the item's module computed in the background (``BACKGROUND``) it uses."""
+    return set(getattr(getattr(item, "module", None), "BACKGROUND", {})) & set(getattr(item, "fixturenames", ()))
+
+
 def _order(item) -> int:
     """0: tests that are not slow (in-process, or one subprocess); 1: tests reading the shared
     launches; 2: other slow (multi-process) tests, and readers that start processes of their own
-    (marked ``own_processes``): beside a launch still running they would slow both."""
+    (marked ``own_processes``): beside a launch still running they would slow both; 3: tests that
+    read a fixture computed in the background (``BACKGROUND``), which runs beside the tests of 2."""
+    if _background_fixtures(item):
+        return 3
     if item.get_closest_marker("own_processes"):
         return 2
     if _LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -56,19 +83,25 @@ def pytest_collection_modifyitems(config, items):
     # Every test that waits on a multi-rank launch is ``slow``: ``-m "not slow"`` (README, the
     # development subset) then starts no launch at all.
     for item in items:
-        if _LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if (_LAUNCH_FIXTURES | {"background"}) & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     items.sort(key=_order)  # stable: file order within each group
 
 
 def pytest_collection_finish(session):  # the selected items, after -k / -m deselection
-    seen = set()
+    seen, background = set(), set()
     for item in session.items:
         module = getattr(item, "module", None)
-        if module is None or module in seen or not hasattr(module, "LAUNCH"):
+        if module is None:
+            continue
+        for name in sorted(_background_fixtures(item)):  # the functions whose values a selected test reads
+            if (module.__name__, name) not in background:
+                background.add((module.__name__, name))
+                _BACKGROUND_NEEDED.append((module.__name__, name, module.BACKGROUND[name]))
+        if module in seen:
             continue
         seen.add(module)
-        for devices, runs in module.LAUNCH.items():
+        for devices, runs in getattr(module, "LAUNCH", {}).items():
             _NEEDED.setdefault(devices, []).extend((module.WORKER, run) for run in runs)
 
 
@@ -140,8 +173,10 @@ def _background_launches(tmp_path_factory):
     # Create pytest's base temporary directory here, once: created lazily by the thread and a test's
     # tmp_path at the same time, one of them got "... is not a normalized and relative path".
     tmp_path_factory.getbasetemp()
+    _TMP_PATH_FACTORY.append(tmp_path_factory)
 
     def run_all() -> None:
+        dist_utils.background_env.base = _SESSION_ENV
         for devices in sorted(_NEEDED):
             _LAUNCHES[devices].run(tmp_path_factory, devices, _NEEDED[devices])
 
@@ -151,6 +186,77 @@ def _background_launches(tmp_path_factory):
     yield
     if thread.is_alive():
         thread.join(timeout=1)  # an interrupted session: the launches' own timeouts end them
+
+
+# ---- module fixtures computed in the background, beside the other slow tests ---------------------
+# The slow tests that start their own processes (order 2) run one at a time and mostly keep one core
+# of two busy (start-ups, waits on signals, peers and timeouts: measured 0.7-1.3 cores over the
+# ~450 s they took, docs/benchmarks.md section 21). A module may declare
+# ``BACKGROUND = {"fixture": function(tmp_path_factory) -> value}`` for its expensive module-scoped
+# multi-process fixtures: they start, one after another in a thread, when the first test of order 2
+# runs (after every shared launch), and their tests come last (order 3), reading the value with
+# ``background(__name__, "fixture")``. A function runs in that thread: it must not touch
+# ``os.environ`` (its processes start from the session's environment: ``dist_utils.background_env``)
+# nor pytest's per-test state, and it reports warnings by returning them.
+
+_BACKGROUND_NEEDED: list[tuple[str, str, object]] = []
+_SESSION_ENV = dict(os.environ)
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+
+
+_JOBS: dict[tuple[str, str], _Job] = {}
+_TMP_PATH_FACTORY: list = []  # the session's, once its first test set up
+_JOBS_STARTED = threading.Event()
+
+
+def _start_background_jobs(tmp_path_factory) -> None:
+    if _JOBS_STARTED.is_set():
+        return
+    _JOBS_STARTED.set()
+    for module, name, _ in _BACKGROUND_NEEDED:
+        _JOBS[module, name] = _Job()
+
+    def run_all() -> None:
+        dist_utils.background_env.base = _SESSION_ENV
+        for module, name, function in _BACKGROUND_NEEDED:
+            job = _JOBS[module, name]
+            try:
+                job.value = function(tmp_path_factory)
+            except BaseException as e:  # noqa: BLE001  (raised again in the test that reads it)
+                job.error = e
+            finally:
+                job.finished.set()
+
+    if _BACKGROUND_NEEDED:
+        threading.Thread(target=run_all, name="ldt-background", daemon=True).start()
+
+
+def pytest_runtest_setup(item):
+    if _order(item) >= 2 and _TMP_PATH_FACTORY and not _JOBS_STARTED.is_set():
+        _start_background_jobs(_TMP_PATH_FACTORY[0])
+
+
+@pytest.fixture(scope="session")
+def background(tmp_path_factory):
+    """``background(module_name, fixture)``: the value its ``BACKGROUND`` function computed."""
+
+    def get(module: str, name: str):
+        _start_background_jobs(tmp_path_factory)  # a module run alone: no test of order 2 before it
+        job = _JOBS.get((module, name))
+        if job is None:
+            raise AssertionError(f"{module}.BACKGROUND has no {name!r} (or no selected test reads it)")
+        job.finished.wait()
+        if job.error is not None:
+            raise job.error
+        return job.value
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+background_env = threading.local()
+"""``background_env.base``: the environment a background thread of tests/conftest.py starts its
+processes from (the session's, taken before any test ran), not ``os.environ`` as it is that
+moment: a test in the main thread may have a variable monkeypatched."""
 
 
 def free_port() -> int:
@@ -31,13 +37,19 @@ def free_port() -> int:
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = os.environ.copy()
+    env = dict(getattr(background_env, "base", None) or os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on few cores: one thread each
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "PL_GLOBAL_SEED"):
         env.pop(key, None)  # a parent's launcher variables would make Lightning think it is a child
     env.update(extra or {})
     return env
+
+
+def env_with(extra: dict[str, str]) -> dict[str, str]:
+    """The environment a test process starts with, plus ``extra``: for a process that needs a
+    variable of its own (never set in ``os.environ``: a background thread shares it)."""
+    return _env(extra)
 
 
 def _check(procs: list[tuple[subprocess.Popen, str]], timeout: float) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from dist_utils import kill_tree, popen
+from dist_utils import env_with, kill_tree, popen
 
 from lightning_disttrain.callbacks import (
     AWSSpotNotice,
@@ -59,8 +59,9 @@ EXIT_CODE = 42  # preemption_run.EXIT_CODE
 EXIT_BOUND_S = 60  # a rank whose peer was SIGKILLed exits within this (measured: a few seconds)
 
 
-def _launch(command: str, data: Path, out: Path, timeout: float = 400) -> tuple[int, float, str]:
-    proc = popen([sys.executable, str(SCRIPT), command, str(data), str(out)])
+def _launch(command: str, data: Path, out: Path, timeout: float = 400,
+            env: dict | None = None) -> tuple[int, float, str]:
+    proc = popen([sys.executable, str(SCRIPT), command, str(data), str(out)], env=env)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except Exception:
@@ -73,8 +74,7 @@ def _ranks(out: Path, run: str) -> list[dict]:
     return [json.loads((out / f"{run}.rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+def _launches(tmp_path_factory):
     root = tmp_path_factory.mktemp("preemption")
     sys.path.insert(0, str(HERE.parent / "checkpoint" / "scripts"))
     from harness import write_indexed_shard
@@ -84,16 +84,20 @@ def launches(tmp_path_factory):
     from s3_server import ENV, local_s3
 
     with local_s3("ldt-preemption") as endpoint:  # the local S3 server the first launch saves to
-        os.environ[ENV] = endpoint
-        try:
-            first = _launch("first", root / "data", out)
-        finally:
-            del os.environ[ENV]
+        first = _launch("first", root / "data", out, env=env_with({ENV: endpoint}))
     # What the first launch left, before the second one adds to the directory.
     pre_listing = sorted(p.name for p in (out / "pre_ckpt").iterdir())
     pre_last = (out / "pre_ckpt" / "last.ckpt").resolve()
     second = _launch("second", root / "data", out)
     return {"out": out, "first": first, "second": second, "pre_listing": pre_listing, "pre_last": pre_last}
+
+
+BACKGROUND = {"launches": _launches}  # run beside the other slow tests (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def launches(background):
+    return background(__name__, "launches")
 
 
 @pytest.mark.slow

@@ -82,8 +82,7 @@ def _damage(src: Path, dst: Path, how: str) -> str:
     return str(shard)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt_e2e")
     sys.path.insert(0, str(SCRIPTS))
     from harness import write_indexed_shard
@@ -150,6 +149,14 @@ def runs(tmp_path_factory):
     d = _launch(root / "d", "resume", "--jobs", str(root / "jobs.json"))
     return {"root": root, "a": a, "b": b, "c": c, "d": d, "e": e, "damaged": damaged, "listings": listings,
             "link_targets": link_targets}
+
+
+BACKGROUND = {"runs": _runs}  # the launches run beside the other slow tests (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def runs(background):
+    return background(__name__, "runs")
 
 
 def _steps(losses, after: int) -> dict:

@@ -284,33 +284,61 @@ def test_groups_with_different_initial_weights_are_refused(data, tmp_path):
 # -- the shipped config through ft-local ---------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_ft_local_runs_the_shipped_config_and_shows_progress_not_torchft_chatter(tmp_path):
-    """One ft-local run of the shipped config (min_replicas 2, so that the groups start together
-    whatever the order they reach the lighthouse in: with 1, a group launched a moment earlier may
-    finish 4 tiny steps alone before the other arrives, seen once in the suite), with trainer
-    options after ft-local's own (--trainer.max_steps 4, as two words): each group trains with the
-    fault-tolerance metrics in its own CSV version directory; the terminal shows a line per group
-    every log_every_n_steps and the fault-tolerance events, while torchft's per-quorum log lines go
-    to <log-dir>/lighthouse.log."""
-    import csv
+_FT_LOCAL_ARGS = {
+    # the shipped config's run, with trainer options after ft-local's own (two words each)
+    "shipped": ["--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2", "--trainer.val_check_interval", "4",
+                "--data.init_args.val_batches", "1"],
+    # --demo-failure 2: group 1 SIGKILLed at step 2 and relaunched (options as --key=value)
+    "relaunch": ["--demo-failure", "2", "--trainer.max_steps=4", "--trainer.log_every_n_steps=2",
+                 "--trainer.val_check_interval=4", "--data.init_args.val_batches=1"],
+}
 
+
+def _ft_local_runs(tmp_path_factory) -> dict:
+    """The two real ft-local runs of the shipped config (min_replicas 2, so that the groups start
+    together whatever the order they reach the lighthouse in: with 1, a group launched a moment
+    earlier may finish 4 tiny steps alone before the other arrives, seen once in the suite), in a
+    background thread beside the other slow tests (tests/conftest.py): {name: (directory, rc, out)}."""
     import yaml
 
-    repo = HERE.parents[1]
-    config = yaml.safe_load((repo / "configs" / "fault-tolerant.yaml").read_text())
-    config["trainer"]["strategy"]["init_args"]["fault_tolerance"]["min_replicas"] = 2
-    (tmp_path / "fault-tolerant.yaml").write_text(yaml.safe_dump(config))
-    env = __import__("dist_utils")._env()
-    env.pop("RUST_LOG", None)  # as a user runs it: torchft's lighthouse logs every quorum at INFO
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_disttrain.cli", "ft-local", "--config", str(tmp_path / "fault-tolerant.yaml"),
-         "--groups", "2", "--log-dir", "runs/ftl", "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2",
-         "--trainer.val_check_interval", "4", "--data.init_args.val_batches", "1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env, check=False)
-    out = proc.stdout + proc.stderr
+    from dist_utils import _env
+
+    runs = {}
+    for name, args in _FT_LOCAL_ARGS.items():
+        root = tmp_path_factory.mktemp(f"ft_local_{name}")
+        config = yaml.safe_load((HERE.parents[1] / "configs" / "fault-tolerant.yaml").read_text())
+        config["trainer"]["strategy"]["init_args"]["fault_tolerance"]["min_replicas"] = 2
+        (root / "fault-tolerant.yaml").write_text(yaml.safe_dump(config))
+        env = _env()
+        env.pop("RUST_LOG", None)  # as a user runs it: torchft's lighthouse logs every quorum at INFO
+        proc = subprocess.run(
+            [sys.executable, "-m", "lightning_disttrain.cli", "ft-local", "--config", str(root / "fault-tolerant.yaml"),
+             "--groups", "2", "--log-dir", "runs/ftl", *args],
+            cwd=root, capture_output=True, text=True, timeout=300, env=env, check=False)
+        runs[name] = (root, proc.returncode, proc.stdout, proc.stderr)
+    return runs
+
+
+BACKGROUND = {"ft_local": _ft_local_runs}
+
+
+@pytest.fixture(scope="module")
+def ft_local(background):
+    return background(__name__, "ft_local")
+
+
+@pytest.mark.slow
+def test_ft_local_runs_the_shipped_config_and_shows_progress_not_torchft_chatter(ft_local):
+    """ft-local with trainer options after its own (--trainer.max_steps 4, as two words): each group
+    trains with the fault-tolerance metrics in its own CSV version directory; the terminal shows a
+    line per group every log_every_n_steps and the fault-tolerance events, while torchft's
+    per-quorum log lines go to <log-dir>/lighthouse.log."""
+    import csv
+
+    tmp_path, returncode, stdout, stderr = ft_local["shipped"]
+    out = stdout + stderr
     logs = tmp_path / "runs" / "ftl"
-    assert proc.returncode == 0, out + "".join(p.read_text()[-3000:] for p in sorted(logs.glob("group*.log")))
+    assert returncode == 0, out + "".join(p.read_text()[-3000:] for p in sorted(logs.glob("group*.log")))
     for g in (0, 1):
         assert f"group {g} | step 2/4" in out and f"group {g} | step 4/4" in out, out
         assert f"group {g}: exit code 0" in out, out
@@ -364,24 +392,14 @@ def test_ft_local_builds_each_groups_fit_command(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_ft_local_relaunch_keeps_the_first_launchs_logs(tmp_path):
+def test_ft_local_relaunch_keeps_the_first_launchs_logs(ft_local):
     """--demo-failure: the SIGKILL and the relaunch are on the terminal, the group's output log holds
     both launches, and the relaunch's CSV metrics go beside the first launch's (Lightning's CSV
     logger deletes the metrics.csv of a version directory it opens again)."""
-    import yaml
-
-    repo = HERE.parents[1]
-    config = yaml.safe_load((repo / "configs" / "fault-tolerant.yaml").read_text())
-    config["trainer"]["strategy"]["init_args"]["fault_tolerance"]["min_replicas"] = 2  # group 0 waits for it
-    (tmp_path / "fault-tolerant.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_disttrain.cli", "ft-local", "--config", str(tmp_path / "fault-tolerant.yaml"),
-         "--groups", "2", "--log-dir", "runs/ftl", "--demo-failure", "2", "--trainer.max_steps=4",
-         "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=4", "--data.init_args.val_batches=1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=__import__("dist_utils")._env(), check=False)
+    tmp_path, returncode, stdout, stderr = ft_local["relaunch"]
     logs = tmp_path / "runs" / "ftl"
-    assert proc.returncode == 0, proc.stdout + proc.stderr + "".join(p.read_text()[-3000:] for p in logs.glob("group*.log"))
-    assert "SIGKILLed group 1" in proc.stdout and "group 1: relaunched" in proc.stdout, proc.stdout
+    assert returncode == 0, stdout + stderr + "".join(p.read_text()[-3000:] for p in logs.glob("group*.log"))
+    assert "SIGKILLed group 1" in stdout and "group 1: relaunched" in stdout, stdout
     text = (logs / "group1.log").read_text()
     assert "--- launch 0:" in text and "--- launch 1:" in text, text[-3000:]
     versions = tmp_path / "runs" / "fault-tolerant" / "logs"
