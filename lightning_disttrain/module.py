@@ -64,14 +64,22 @@ class GPTModule(L.LightningModule):
             its auxiliary losses join the training loss, its balancing bias moves after each
             optimizer step, and ``moe/layer{i}/...`` metrics are logged.
         optimizer: ``"adamw"`` or ``"muon"`` (Muon on the blocks' 2-D matrices, AdamW elsewhere).
-        lr: AdamW peak learning rate. muon_lr: Muon's peak learning rate.
-        betas, eps: AdamW's moment decay rates and denominator term.
+        lr: AdamW peak learning rate.
+        weight_decay: applied to 2-D weights only (also Muon's weight decay).
+        betas: AdamW's moment decay rates ``(beta1, beta2)``.
+        eps: AdamW's denominator term.
+        muon_lr: Muon's peak learning rate (``optimizer="muon"`` only).
         muon_momentum: Muon's momentum (Nesterov) coefficient.
-        weight_decay: applied to 2-D weights only.
         schedule: ``"cosine"`` (warmup then cosine to ``min_lr_ratio``), ``"wsd"``
             (warmup-stable-decay, decaying over the last ``decay_fraction``) or ``"constant"``.
-        warmup_steps / max_steps: in optimizer steps; ``max_steps=None`` takes the Trainer's
+        warmup_steps: optimizer steps of linear warm-up from ``lr / warmup_steps`` to ``lr``
+            (0: none); every schedule starts with it.
+        max_steps: the schedule's length in optimizer steps; None takes the Trainer's
             ``estimated_stepping_batches``.
+        min_lr_ratio: the learning rate at the end of the ``"cosine"`` and ``"wsd"`` decays, as a
+            fraction of the peak.
+        decay_fraction: with ``"wsd"``, the share of ``max_steps`` (at the end) over which the
+            learning rate decays linearly to ``min_lr_ratio``.
         init_device: ``"meta"`` builds the model without memory, for models too large for one
             host; a lightning-disttrain strategy then shards and materialises it. None builds on
             whatever device the strategy's init context selects.

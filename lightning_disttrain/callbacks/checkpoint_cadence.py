@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointCadence(Callback):
-    """Args:
+    """Log the Young/Daly checkpoint interval (in seconds and in steps), and optionally apply it.
+
+    Args:
         device_mtbf_hours: mean time between failures of one device (50,000 h: Llama 3's fleet).
         preemptions_per_hour: spot preemptions per hour for the whole job (0: on-demand).
         devices: devices of the job; default: the trainer's world size.

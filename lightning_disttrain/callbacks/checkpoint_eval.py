@@ -56,15 +56,22 @@ class CheckpointEval(L.Callback):
         data_dir: directory of local JSONL sets (llm-foundry's layout), ``"bundled"`` (the package's samples) or ``"hub"``; None: the
             ``LDT_EVAL_DATA`` environment variable, else the hub through ``datasets``.
         limit: the first N items of each task (evals stay fast; None: all).
-        batch_size / max_length: sequences per forward / longest sequence (None: the model's block size).
-        heldout / heldout_windows / heldout_seq_len: the held-out corpus (``"val"``: the data
-            module's validation set; or a ``.txt`` / ``.bin`` / ``.pt`` file) and how much of it.
+        batch_size: sequences per forward (default 16).
+        max_length: longest sequence fed to the model (None: the model's ``config.block_size``).
+        heldout: the held-out corpus: ``"val"`` (default, the data module's validation set) or a
+            ``.txt`` / ``.bin`` / ``.pt`` file.
+        heldout_windows: windows of the held-out corpus to score (default 32; None: all).
+        heldout_seq_len: window length for text and ``.bin`` held-out corpora (None: ``max_length``).
         on_checkpoint: evaluate after every checkpoint save.
         every_n_steps: also evaluate every N optimizer steps (None: only at checkpoints).
         gate: regression rules, e.g. ``[{"metric": "eval/heldout/loss", "max_increase_pct": 10,
             "action": "fail_checkpoint"}]`` (``evals.gate.GateRule``).
         mode: ``"inline"`` or ``"subprocess"`` (see the module docstring).
-        subprocess_devices / subprocess_accelerator / subprocess_env: where the eval process runs.
+        subprocess_devices: with ``mode="subprocess"``: ``--devices`` of the eval process (default 1).
+        subprocess_accelerator: with ``mode="subprocess"``: ``--accelerator`` of the eval process
+            (default ``"cpu"``).
+        subprocess_env: with ``mode="subprocess"``: environment variables set for the eval process,
+            on top of this process's (launcher variables removed).
         tokenizer: the tokenizer's name when the data module has none (default: the data module's).
         print_table: print the results table on rank 0.
     """

@@ -198,7 +198,14 @@ class Agreement(NamedTuple):
 
 
 class PreemptionExit(SystemExit):
-    """Raised on every rank after the agreed preemption checkpoint is complete; ``code`` is the exit code."""
+    """Raised on every rank after the agreed preemption checkpoint is complete; ``code`` is the exit code.
+
+    Args:
+        code: the process exit status (``PreemptionCheckpoint``'s ``exit_code``).
+        path: the preemption checkpoint that was saved; None when nothing was saved (``save=False``,
+            a replica group that does not write checkpoints, or a failed save).
+        step: the global step at which the run stopped.
+    """
 
     def __init__(self, code: int, path: str | None, step: int) -> None:
         super().__init__(code)

@@ -14,7 +14,11 @@ class SampleGeneration(L.Callback):
 
     Args:
         prompt: text to continue.
-        max_new_tokens / temperature / top_k: sampling settings.
+        max_new_tokens: tokens to generate after the prompt (passed to ``generate``).
+        temperature: sampling temperature passed to ``generate`` (``GPTModule``: divides the
+            logits; lower is more deterministic, 0 is greedy).
+        top_k: passed to ``generate`` (``GPTModule``: sample only among the k most likely
+            tokens; None: all).
         every_n_steps: also sample every n optimizer steps (None: only at the end of training).
         seed: sampling seed shared by all ranks.
     """

@@ -71,8 +71,17 @@ class TokenDataModule(L.LightningDataModule):
             ~/.cache/lightning_disttrain/tokens).
         val_source: shards for validation, overriding the val files of `source`.
         shuffle: shuffle training windows per epoch (False: corpus order, for debugging).
-        val_fraction, val_docs, text_field, dataset_config, split, streaming, max_docs: how a
-            non-shard source is prepared (see `prepare`); part of the cache key.
+        val_fraction: share of documents (or of tokens, when there are too few documents) that
+            go to validation when a non-shard source is prepared (see `prepare`).
+        val_docs: take exactly the first `val_docs` documents as validation instead of
+            `val_fraction`.
+        text_field: the text column of json/jsonl/parquet/hub sources.
+        dataset_config: the configuration name passed to `datasets.load_dataset` (hub datasets).
+        split: the split passed to `datasets.load_dataset` (hub datasets).
+        streaming: stream a hub dataset instead of downloading it (`datasets.load_dataset`).
+        max_docs: stop preparing after this many documents (smoke tests, quick experiments).
+            `val_fraction` through `max_docs` only affect non-shard sources, and are part of
+            their cache key.
         num_proc: processes for preparing; default all cores.
     """
 

@@ -32,7 +32,48 @@ _POS = ("learned", "rope")
 
 @dataclass
 class GPTConfig:
-    """Shape and architecture of a GPT. ``GPTConfig.from_name`` gives the named presets."""
+    """Shape and architecture of a GPT. ``GPTConfig.from_name`` gives the named presets.
+
+    Args:
+        n_layer: Number of transformer blocks.
+        n_head: Attention (query) heads per block; ``n_embd`` must be a multiple of it.
+        n_embd: Width of the residual stream.
+        block_size: Longest sequence the model accepts (the size of the learned position table).
+        vocab_size: Tokens the tokenizer can produce (GPT-2 BPE: 50,257).
+        pad_vocab_multiple: Embedding/head rows are padded to a multiple of this for fast matmuls;
+            padding rows are never predicted (their logits are cut off). 1 disables padding.
+        n_kv_head: Key/value heads for grouped-query attention; None means ``n_head``
+            (plain multi-head).
+        mlp: Feed-forward: ``gelu`` (GPT-2), ``swiglu`` (LLaMA) or ``relu2`` (ReLU squared).
+        mlp_hidden: Hidden width of the feed-forward; None: 4·n_embd, or ~8/3·n_embd rounded to 64 for
+            swiglu.
+        norm: ``layernorm`` (GPT-2) or ``rmsnorm``.
+        norm_eps: Epsilon of every norm.
+        pos_emb: ``learned`` absolute positions (GPT-2) or ``rope`` rotary embeddings.
+        rope_theta: RoPE base frequency.
+        qk_norm: RMS-normalise queries and keys per head before attention (stabilises large learning
+            rates).
+        tie_embeddings: Share the token embedding with the output head (GPT-2).
+        bias: Biases in Linear layers and LayerNorms (GPT-2: True).
+        dropout: Dropout on attention probabilities and residual branches (pre-training: 0).
+        init_std: Standard deviation of the normal initialisation; residual projections get ``init_std /
+            sqrt(2 · n_layer)`` (GPT-2 paper, section 2.3).
+        moe_num_experts: Routed experts in each MoE block's feed-forward; 0: every block has a dense
+            MLP.
+        moe_top_k: Routed experts per token.
+        moe_shared_experts: Always-on experts per MoE block, each ``moe_hidden`` wide.
+        moe_hidden: Hidden width of each expert; None: ``mlp_hidden``. Experts follow ``mlp``, without
+            biases.
+        moe_first_dense: Leading blocks that keep a dense MLP.
+        moe_every: From block ``moe_first_dense`` on, every ``moe_every``-th block is MoE (1: each one).
+        moe_score: Router score: ``softmax``, or ``sigmoid`` renormalised over the chosen experts
+            (DeepSeek-V3).
+        moe_capacity_factor: None: dropless; else per-expert capacity ``ceil(factor · tokens · top_k /
+            experts)``, rest dropped.
+        moe_bias_update_speed: Auxiliary-loss-free balancing: bias step per optimizer step (0: off).
+        moe_aux_loss_coef: Weight of the sequence-wise balance loss added to the training loss (0: off).
+        moe_z_loss_coef: Weight of the router z-loss added to the training loss (0: off).
+    """
 
     n_layer: int = 12
     """Number of transformer blocks."""
@@ -296,6 +337,12 @@ class Layers(nn.ModuleDict):
 
 
 class GPT(nn.Module):
+    """A decoder-only transformer (GPT-2 / Llama family), built from a ``GPTConfig``.
+
+    Args:
+        config: the architecture: layers, heads, widths, vocabulary, norm, positions, MoE.
+    """
+
     layout_independent_init = True
     """``init_weights`` draws each weight from a generator of its own (``param_init``): see there."""
     trim_logits: bool = False

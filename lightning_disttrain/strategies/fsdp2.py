@@ -38,7 +38,26 @@ class FSDP2Strategy(NDParallelStrategy):
             only one all-reduce per step crosses nodes). On a single node ``"auto"`` shards over
             every rank: replicating inside one NVLink domain would hold more copies of every
             parameter and optimizer state for no bandwidth gain.
-        Everything else: as for ``NDParallelStrategy``.
+        mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision
+            (as for ``NDParallelStrategy``).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        accumulate_unsharded_grads: with ``accumulate_grad_batches`` > 1, True skips the
+            reduce-scatter on all but the last micro-batch at the cost of holding unsharded fp32
+            gradients (see ``NDParallelStrategy``); False (default) keeps gradients sharded.
+        async_save: write checkpoints in the background.
+        on_save_error: ``"stop"`` (default) ends ``fit`` on every rank when a checkpoint cannot be
+            written; ``"warn"`` logs it and trains on.
+        compile: ``torch.compile`` each block (True, or a dict of options for ``apply_compile``).
+        empty_init: build the model on the meta device and materialise it after sharding; None
+            (default) decides by module (see ``NDParallelStrategy``).
+        accelerator: as for every Lightning ``ParallelStrategy``; normally filled in by the Trainer.
+        parallel_devices: the devices of this node's ranks; normally filled in by the Trainer.
+        cluster_environment: Lightning's ``ClusterEnvironment``; normally filled in by the Trainer.
+        checkpoint_io: Lightning's ``CheckpointIO`` plugin; normally filled in by the Trainer.
+        precision_plugin: Lightning's ``Precision`` plugin; normally filled in by the Trainer.
+        process_group_backend: the ``torch.distributed`` backend; None (default): ``gloo`` on CPU,
+            ``nccl`` on CUDA.
+        timeout: the process groups' timeout for collectives (default 30 minutes, Lightning's).
     """
 
     def __init__(

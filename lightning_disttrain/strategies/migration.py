@@ -74,7 +74,9 @@ class ModelParallelStrategy(NDParallelStrategy):
         tensor_parallel_size: ranks of one tensor-parallel group; "auto": the devices per node.
         save_distributed_checkpoint: True (the default, as Lightning's); False is refused (see
             ``_not_distributed_checkpoint``).
-        process_group_backend, timeout: as Lightning's.
+        process_group_backend: the ``torch.distributed`` backend, as Lightning's; None (default):
+            ``gloo`` on CPU, ``nccl`` on CUDA.
+        timeout: the process groups' timeout for collectives, as Lightning's (default 30 minutes).
         **kwargs: any other ``NDParallelStrategy`` argument (``async_save``, ``empty_init``,
             ``cpu_offload``, ``compile``...). ``dp_shard``/``tp`` are the sizes above.
 
@@ -195,6 +197,28 @@ class FSDPStrategy(NDParallelStrategy):
     ``mixed_precision=MixedPrecision``      refused: ``precision="bf16-mixed"`` or ``mp_policy``
     other FSDP1 keyword arguments           refused, by name
     ======================================  ====================================================
+
+    Args:
+        sharding_strategy: FSDP1's ``ShardingStrategy`` or its name: ``"FULL_SHARD"`` (default),
+            ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"_HYBRID_SHARD_ZERO2"``, mapped as in the
+            table; ``"NO_SHARD"`` is refused (use ``DDPStrategy``).
+        auto_wrap_policy: None, or a module class / set of classes (``{Block}``) that must be the
+            model's repeated blocks (the FSDP2 units); a callable policy is refused.
+        activation_checkpointing_policy: None, or a module class / set of classes (the repeated
+            blocks) to fully checkpoint.
+        cpu_offload: True / False or FSDP1's ``CPUOffload(offload_params=...)``: offload sharded
+            parameters, gradients and optimizer state to host memory.
+        state_dict_type: ``"sharded"`` (default, DCP directories with a manifest); ``"full"`` is
+            refused (``lightning-disttrain export CKPT --full`` after training).
+        mixed_precision: must stay None: FSDP1's ``MixedPrecision`` is refused (use the Trainer's
+            ``precision="bf16-mixed"`` or ``mp_policy``).
+        process_group_backend: the ``torch.distributed`` backend, as Lightning's; None (default):
+            ``gloo`` on CPU, ``nccl`` on CUDA.
+        timeout: the process groups' timeout for collectives, as Lightning's (default 30 minutes).
+        activation_checkpointing: Lightning's deprecated form; must stay None (refused: pass
+            ``activation_checkpointing_policy``).
+        **kwargs: any ``NDParallelStrategy`` argument (``mp_policy``, ``async_save``, ...); other
+            names are refused.
     """
 
     def __init__(
@@ -280,6 +304,20 @@ class DDPStrategy(NDParallelStrategy):
     ``find_unused_parameters``, ``static_graph`` and ``gradient_as_bucket_view`` are DDP tuning flags
     FSDP2 has no use for: accepted and ignored (FSDP2 reduces every parameter's gradient, zero where a
     parameter was unused). ``ddp_comm_hook``/``model_averaging_period`` are refused.
+
+    Args:
+        process_group_backend: the ``torch.distributed`` backend, as Lightning's; None (default):
+            ``gloo`` on CPU, ``nccl`` on CUDA.
+        timeout: the process groups' timeout for collectives, as Lightning's (default 30 minutes).
+        find_unused_parameters: accepted and ignored (FSDP2 reduces every gradient).
+        static_graph: accepted and ignored.
+        gradient_as_bucket_view: accepted and ignored.
+        ddp_comm_hook: must stay None: DDP communication hooks are refused.
+        ddp_comm_state: must stay None (refused, as ``ddp_comm_hook``).
+        ddp_comm_wrapper: must stay None (refused, as ``ddp_comm_hook``).
+        model_averaging_period: must stay None (refused).
+        **kwargs: any other ``NDParallelStrategy`` argument except the degrees (``dp_shard``,
+            ``dp_replicate``, ``tp``, ``pp``, ``ep`` are refused).
     """
 
     def __init__(self, process_group_backend: Optional[str] = None,

@@ -454,9 +454,19 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
     """N-D parallel training over one ``DeviceMesh``: FSDP2 (ZeRO-3/ZeRO-2), HSDP, ...
 
     Args:
-        dp_replicate, dp_shard, tp, pp, ep, cp: degrees (see ``ParallelDims``); ``dp_shard=-1``
-            takes whatever the world size leaves. ep > 1 (expert parallel, borrowing ranks from
-            dp_shard) composes with FSDP2, not yet with tp, pp, cp or dp_replicate.
+        dp_replicate: data-parallel replicas, each holding a full copy of the (sharded) model:
+            HSDP's replicate dimension, gradients all-reduced across it once per step (default 1).
+        dp_shard: data-parallel ranks that shard parameters, gradients and optimizer state
+            (FSDP2); -1 (default) takes whatever the world size leaves after the other degrees.
+        tp: tensor-parallel degree: each layer's weights split over this many consecutive ranks
+            (default 1: off).
+        pp: pipeline-parallel degree: pipeline stages (default 1: off); see the ``pp_*`` options.
+        ep: expert-parallel degree for MoE models: experts split over this many ranks, borrowed
+            from dp_shard (default 1: off). Composes with FSDP2, not yet with tp, pp, cp or
+            dp_replicate.
+        cp: context-parallel degree: each sample's sequence split over this many ranks in
+            load-balanced chunks, each attention layer all-gathering K/V over them (default 1:
+            off). The degrees multiply to the world size (``ParallelDims``).
         reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (parameters stay gathered from forward
             to backward); int: reshard to groups of that many ranks.
         mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision
@@ -490,16 +500,37 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
             seeded weights (the same under every layout, not its constructors' draws), initialised
             one initialiser at a time after sharding. False: build real weights on every rank
             (rank 0's are broadcast, one tensor at a time).
-        sequence_parallel, loss_parallel, async_tp: with tp > 1 (``parallel.tensor.TensorParallelOptions``).
-        pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points, pp_edge_cost: with pp > 1
-            (``parallel.pipeline.PipelineOptions``; the step contract in ``strategies/pipeline_steps.py``).
+        sequence_parallel: with tp > 1: shard the activations between attention and MLP on the
+            sequence dimension (1/tp of them per rank; needs the sequence length divisible by tp).
+            Default True (``parallel.tensor.TensorParallelOptions``).
+        loss_parallel: with tp > 1: compute the cross-entropy on the vocabulary-sharded logits
+            instead of gathering them on every rank (default True).
+        async_tp: with tp > 1: fuse TP collectives with the matmuls (inductor's micro-pipeline TP);
+            CUDA only, and only in compiled blocks (default False).
+        pp_schedule: with pp > 1: the pipeline schedule, one of ``parallel.pipeline.SCHEDULES``
+            (``"GPipe"``, ``"1F1B"`` (default), ``"Interleaved1F1B"``, ``"LoopedBFS"``,
+            ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``; case-insensitive).
+            The step contract is in ``strategies/pipeline_steps.py``.
+        pp_microbatches: with pp > 1: micro-batches per batch; None: as many as there are stages.
+        pp_stages_per_rank: with pp > 1: None: 1 for GPipe / 1F1B, 2 for the looped and V-shaped
+            schedules (V-shaped: exactly 2).
+        pp_split_points: with pp > 1: index of the first block of every stage but the first
+            (e.g. ``[3]``: blocks 0-2 | 3-...); None: balanced by cost (``pp_edge_cost``).
+        pp_edge_cost: with pp > 1: how many blocks the embeddings (first stage) and the head
+            (last stage) each count for when balancing stages; 0 (default): by block count.
         fault_tolerance: a ``FaultTolerance`` (or its keys as a dict): this launch is one replica
             group of a run whose groups survive each other's failures (torchft; see
             ``strategies/fault_tolerant_steps.py``). Needs dp_replicate=1 (the groups replicate).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
-            as for every Lightning ``ParallelStrategy`` (normally filled in by the Trainer).
-        process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
-        timeout: for collectives.
+        accelerator: as for every Lightning ``ParallelStrategy``; normally filled in by the Trainer.
+        parallel_devices: the devices of this node's ranks; normally filled in by the Trainer.
+        cluster_environment: Lightning's ``ClusterEnvironment`` (ranks, world size, master
+            address); normally filled in by the Trainer.
+        checkpoint_io: Lightning's ``CheckpointIO`` plugin; normally filled in by the Trainer.
+        precision_plugin: Lightning's ``Precision`` plugin; normally filled in by the Trainer
+            from its ``precision``.
+        process_group_backend: the ``torch.distributed`` backend; None (default): ``gloo`` on CPU,
+            ``nccl`` on CUDA.
+        timeout: the process groups' timeout for collectives (default 30 minutes, Lightning's).
     """
 
     @override
