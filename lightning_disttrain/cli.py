@@ -27,6 +27,7 @@ FLOPs column of zeros, "Epoch 0/-2"; ``eval``'s own ``limit_val_batches`` note) 
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import logging
 import os
@@ -166,6 +167,16 @@ class DistTrainCLI(LightningCLI):
 
     A configured class whose constructor raises ends the command with ``error: <config key>:
     <its message>`` (exit status 2) instead of jsonargparse's union text and traceback.
+
+    Args:
+        *args: passed on to ``LightningCLI`` after its model and data module classes (both
+            ``LightningModule`` / ``LightningDataModule``, in subclass mode).
+        run_errors: the process's ``rank_errors.RunErrors`` (``main`` passes it): it is given the
+            Trainer once it is built (``RunErrors.trainer``), for the run's error reporting
+            across ranks; None: none.
+        subcommand: the only LightningCLI subcommand to build a parser for (``fit``, ``validate``,
+            ...); None: the first element of ``args`` when it is a string, else every subcommand.
+        **kwargs: ``LightningCLI`` keyword arguments (``args``, ``parser_kwargs``, ...).
     """
 
     def __init__(self, *args, run_errors: RunErrors | None = None, subcommand: str | None = None, **kwargs):
@@ -403,6 +414,9 @@ def main(argv: list[str] | None = None) -> None:
         for name, (_, _, doc) in _TOOLS.items():
             print(f"  {name:13s} {doc}")
         print("  fit, validate, test, predict: LightningCLI subcommands (lightning-disttrain fit --help)\n")
+    # A rank that crashes in native code (a segfault in a kernel or a collective) prints its Python
+    # stack before it dies; rank 0's report then names the signal (rank_errors.describe_exit).
+    faulthandler.enable()
     run_errors = RunErrors.for_this_process()
     try:
         DistTrainCLI(args=cli_args, run_errors=run_errors, subcommand=argv[0] if argv else None)

@@ -177,7 +177,8 @@ class RunErrors:
     def _report_and_exit(self, own: Record | None):
         records = self._collect(own)
         children = self._children()
-        text = format_report(records, world=len(children) + 1 if children else _world_size())
+        text = format_report(records, world=len(children) + 1 if children else _world_size(),
+                             died=self._died_without_a_record(children, records))
         sys.stdout.flush()
         sys.stderr.write(text)
         sys.stderr.flush()
@@ -218,6 +219,16 @@ class RunErrors:
         launcher = getattr(getattr(self.trainer, "strategy", None), "launcher", None)
         return list(getattr(launcher, "procs", None) or [])
 
+    def _died_without_a_record(self, children: list, records: list[Record]) -> dict[int, int]:
+        """{rank: exit status} of the launched ranks that ended without writing a record: killed by a
+        signal (negative status, as ``Popen.returncode`` has it) or exited non-zero outside
+        ``cli.main`` (a rank that finished its work and exited 0 is not a cause).
+        Lightning's launcher starts local ranks 1..N-1 in order, after this process's rank."""
+        first = getattr(self.trainer, "global_rank", 0) + 1
+        recorded = {r.rank for r in records}
+        return {first + i: proc.returncode for i, proc in enumerate(children)
+                if proc.poll() not in (None, 0) and first + i not in recorded}
+
     # ---- the other ranks ---------------------------------------------------------------
 
     def _wait_to_be_stopped(self, record: Record):
@@ -251,10 +262,28 @@ class RunErrors:
         return sorted(records, key=lambda r: r.rank)
 
 
-def format_report(records: list[Record], world: int) -> str:
-    """Tracebacks (when wanted) then one line per distinct error, merged by rank; the error last."""
+def describe_exit(status: int) -> str:
+    """What a process's exit status (``Popen.returncode``: -N for signal N) says about its end."""
+    if status >= 0:
+        return f"exited with code {status} without a Python error"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    if name == "SIGKILL":
+        return "was killed by SIGKILL (the kernel's out-of-memory killer sends it, as does `kill -9`)"
+    if name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE"):
+        return f"crashed in native code ({name}); its Python stack, as faulthandler printed it, is in its output above"
+    return f"was killed by {name}"
+
+
+def format_report(records: list[Record], world: int, died: dict[int, int] | None = None) -> str:
+    """Tracebacks (when wanted) then one line per distinct error, merged by rank; the error last.
+    ``died``: {rank: exit status} of ranks that ended without a record (killed, crashed): said last,
+    since their end is what made the others' collectives fail."""
+    died = died or {}
     shown = [r for r in records if r.primary] or records
-    if not shown:
+    if not shown and not died:
         return ""
     groups: dict[tuple[str, str], list[Record]] = {}
     for record in shown:
@@ -269,11 +298,13 @@ def format_report(records: list[Record], world: int) -> str:
             hidden = True
     if hidden:
         lines.append(f"(the traceback is not shown for an error that says what to change; {ENV_TRACEBACK}=1 shows it)")
-    if shown and not shown[0].primary:
+    if shown and not shown[0].primary and not died:
         lines.append("every failing process failed in communication: the one that failed first may have "
                      "been killed without a Python error (out of memory?); its own output above may say why.")
     for (kind, message), group in groups.items():
         ranks = [r.rank for r in group]
         where = "" if world == 1 else f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         lines.append(f"lightning-disttrain: error{where}: {kind}: {message}")
+    for rank, status in sorted(died.items()):
+        lines.append(f"lightning-disttrain: rank {rank} {describe_exit(status)}")
     return "\n" + "\n".join(lines) + "\n"

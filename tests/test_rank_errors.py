@@ -57,3 +57,34 @@ def test_single_process_report_has_no_rank(monkeypatch):
     text = format_report([Record.of(_raised(KeyError("x")), 0)], world=1)
     assert text.count("Traceback") == 1, "not a ValueError: the traceback is shown"
     assert text.strip().splitlines()[-1] == "lightning-disttrain: error: KeyError: 'x'"
+
+
+def test_a_rank_that_died_without_a_record_is_named_with_its_signal(monkeypatch):
+    # Issue 42 (1): rank 1 vanished while rank 0 waited in a collective; rank 0's report said only that
+    # every failing process failed in communication. Real processes, ended as such a rank ends.
+    import signal
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from lightning_disttrain.rank_errors import RunErrors
+
+    monkeypatch.delenv("LDT_TRACEBACK", raising=False)
+    script = "import os, signal, sys; os.kill(os.getpid(), getattr(signal, sys.argv[1])) if sys.argv[1] != 'ok' else 0"
+    procs = [subprocess.Popen([sys.executable, "-S", "-c", script, how]) for how in ("SIGSEGV", "SIGKILL", "ok")]
+    for p in procs:
+        p.wait(timeout=30)
+    errors = RunErrors.__new__(RunErrors)  # only the trainer is read; no directory, no watcher thread
+    errors.trainer = SimpleNamespace(global_rank=0, strategy=SimpleNamespace(launcher=SimpleNamespace(procs=procs)))
+    gone = Record.of(_raised(RuntimeError("Connection closed by peer")), 0)
+    died = errors._died_without_a_record(errors._children(), [gone])
+    assert died == {1: -signal.SIGSEGV, 2: -signal.SIGKILL}  # rank 3 finished (exit 0): not a cause
+    text = format_report([gone], world=4, died=died)
+    lines = text.strip().splitlines()
+    assert lines[-2].startswith("lightning-disttrain: rank 1 crashed in native code (SIGSEGV)"), text
+    assert lines[-1] == ("lightning-disttrain: rank 2 was killed by SIGKILL (the kernel's out-of-memory killer "
+                         "sends it, as does `kill -9`)"), text
+    assert "every failing process failed in communication" not in text  # the cause is known
+    assert "error on rank 0: RuntimeError: Connection closed by peer" in text
+    # a rank recorded its own error: not named again
+    assert errors._died_without_a_record(procs, [gone, Record.of(_raised(ValueError("x")), 1)]) == {2: -signal.SIGKILL}
