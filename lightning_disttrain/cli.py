@@ -415,8 +415,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {name:13s} {doc}")
         print("  fit, validate, test, predict: LightningCLI subcommands (lightning-disttrain fit --help)\n")
     # A rank that crashes in native code (a segfault in a kernel or a collective) prints its Python
-    # stack before it dies; rank 0's report then names the signal (rank_errors.describe_exit).
-    faulthandler.enable()
+    # stack before it dies; rank 0's report then names the signal (rank_errors.describe_exit). To
+    # the process's own stderr: faulthandler writes to a file descriptor, and sys.stderr may be a
+    # stream without one (a caller capturing output, main() called from Python).
+    if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+        try:
+            faulthandler.enable(file=sys.__stderr__)
+        except (OSError, ValueError, AttributeError):  # no usable descriptor: run without it
+            pass
     run_errors = RunErrors.for_this_process()
     try:
         DistTrainCLI(args=cli_args, run_errors=run_errors, subcommand=argv[0] if argv else None)
