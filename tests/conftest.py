@@ -191,7 +191,7 @@ def _background_launches(tmp_path_factory):
 # ---- module fixtures computed in the background, beside the other slow tests ---------------------
 # The slow tests that start their own processes (order 2) run one at a time and mostly keep one core
 # of two busy (start-ups, waits on signals, peers and timeouts: measured 0.7-1.3 cores over the
-# ~450 s they took, docs/benchmarks.md section 21). A module may declare
+# ~450 s they took, docs/benchmarks.md section 25). A module may declare
 # ``BACKGROUND = {"fixture": function(tmp_path_factory) -> value}`` for its expensive module-scoped
 # multi-process fixtures: they start, one after another in a thread, when the first test of order 2
 # runs (after every shared launch), and their tests come last (order 3), reading the value with

@@ -46,12 +46,6 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def env_with(extra: dict[str, str]) -> dict[str, str]:
-    """The environment a test process starts with, plus ``extra``: for a process that needs a
-    variable of its own (never set in ``os.environ``: a background thread shares it)."""
-    return _env(extra)
-
-
 def _check(procs: list[tuple[subprocess.Popen, str]], timeout: float) -> None:
     failures = []
     for proc, name in procs:

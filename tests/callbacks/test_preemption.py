@@ -31,7 +31,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from dist_utils import env_with, kill_tree, popen
+from dist_utils import _env, kill_tree, popen
 
 from lightning_disttrain.callbacks import (
     AWSSpotNotice,
@@ -84,7 +84,7 @@ def _launches(tmp_path_factory):
     from s3_server import ENV, local_s3
 
     with local_s3("ldt-preemption") as endpoint:  # the local S3 server the first launch saves to
-        first = _launch("first", root / "data", out, env=env_with({ENV: endpoint}))
+        first = _launch("first", root / "data", out, env=_env({ENV: endpoint}))
     # What the first launch left, before the second one adds to the directory.
     pre_listing = sorted(p.name for p in (out / "pre_ckpt").iterdir())
     pre_last = (out / "pre_ckpt" / "last.ckpt").resolve()
