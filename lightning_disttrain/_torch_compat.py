@@ -58,6 +58,12 @@ CHECKED_VERSIONS: tuple[str, ...] = ("2.13.0",)
 SYMM_MEM_DEPRECATED_IN = (2, 13)
 """From this torch on, ``enable_symm_mem_for_group`` is deprecated and not needed."""
 
+PINNED_STAGING_FROM = (2, 13)
+"""From this torch on, DCP's ``DefaultStager`` (pinned, reused CPU buffers) stages DTensors. Its
+deep copy reduces a DTensor's spec to ``(cls, ...)`` and looks the class up in a table that torch
+2.11 lacks ``type`` in: ``KeyError: <class 'type'>`` at the first async save (seen on an H200,
+torch 2.11.0+cu130, 2026-12-04); 2.13 has it (2.12 not checked)."""
+
 
 class TorchCompatError(RuntimeError):
     """A torch private this package relies on is missing or changed in the installed version."""
@@ -800,6 +806,12 @@ def enable_micro_pipeline_tp() -> None:
     """Let inductor fuse TP's all-gather / reduce-scatter with the matmuls next to them."""
     _get("torch._inductor.config:_micro_pipeline_tp")
     _module("torch._inductor.config")._micro_pipeline_tp = True
+
+
+def pinned_staging_stages_dtensors() -> bool:
+    """Whether the installed torch's ``DefaultStager`` can stage a state dict holding DTensors
+    (``PINNED_STAGING_FROM``); below it, async saves use the storage writer's own staging."""
+    return torch_version() >= PINNED_STAGING_FROM
 
 
 def enable_symm_mem_for_group(group_name: str) -> bool:

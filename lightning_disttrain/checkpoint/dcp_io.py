@@ -63,6 +63,7 @@ from lightning_disttrain.checkpoint.manifest import (
 )
 
 log = logging.getLogger(__name__)
+_warned_unpinned: list[bool] = []  # the older-torch staging fallback is reported once per process
 
 META_NAME = "meta.pt"
 MODEL_KEY = "state_dict"
@@ -379,6 +380,14 @@ class CheckpointWriter:
         # CUDA, keep one stager so its pinned CPU buffers are reused across saves; that is safe
         # because `save` waits for the previous write before staging the next.
         if self._stager is None and torch.cuda.is_available():
+            if not torch_compat.pinned_staging_stages_dtensors():
+                if not _warned_unpinned:
+                    _warned_unpinned.append(True)
+                    log.warning("torch %s cannot stage DTensors in pinned buffers (DCP's DefaultStager, "
+                                "fixed by torch %s): async checkpoints are staged by the storage writer "
+                                "instead, into fresh CPU memory each save", torch.__version__,
+                                ".".join(map(str, torch_compat.PINNED_STAGING_FROM)))
+                return None
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,

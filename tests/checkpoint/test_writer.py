@@ -269,3 +269,29 @@ def test_hybrid_optimizer_parts_round_trip(tmp_path, trained):
                         (q for g in new.param_groups for q in g["params"])):
             for key, value in old.state[p].items():
                 assert torch.equal(value, new.state[q][key]), key
+
+
+@pytest.mark.parametrize("version, pinned", [((2, 11), False), ((2, 13), True)])
+def test_async_staging_follows_what_the_torch_version_can_stage(monkeypatch, caplog, version, pinned):
+    """On CUDA the writer keeps one pinned DefaultStager; on a torch whose DefaultStager cannot copy a
+    DTensor (2.11: KeyError <class 'type'>, seen on an H200) it leaves staging to the storage writer
+    (``async_stager=None``) and says so once. (A DefaultStager with non-blocking copies needs an
+    accelerator to be built: here its options are recorded instead.)"""
+    from torch.distributed.checkpoint import staging
+
+    from lightning_disttrain import _torch_compat
+    from lightning_disttrain.checkpoint import dcp_io
+
+    built = []
+    monkeypatch.setattr(staging, "DefaultStager", lambda options: built.append(options) or options)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_torch_compat, "torch_version", lambda: version)
+    monkeypatch.setattr(dcp_io, "_warned_unpinned", [])
+    writer = CheckpointWriter(async_save=True)
+    with caplog.at_level("WARNING", logger=dcp_io.__name__):
+        first, second = writer._get_stager(), writer._get_stager()
+    warned = [r for r in caplog.records if "cannot stage DTensors" in r.getMessage()]
+    if pinned:
+        assert len(built) == 1 and first is second is built[0] and built[0].use_pinned_memory and not warned
+    else:
+        assert first is second is None and not built and len(warned) == 1
