@@ -18,15 +18,18 @@
 #     mfu_lightning  ~40 s   the same through Trainer + MFUMonitor (Inductor cache warm from mfu)
 #     fp8           ~150 s   gpt2-774m: bf16, float8 tensorwise, float8 rowwise (~50 s each, mostly
 #                            compile): speedup, per-step losses and their max / mean gap
+#     fp8_wide      ~120 s   the same on 4 blocks of Llama-3-8B's width (d 4096, SwiGLU 14336)
 #   gpu_paths.py (gets what is left, at least 170 s; writes $OUT/gpu_paths.json after every section):
 #     sac            ~30 s   attention forward kernels per block in backward (flash / cuDNN /
-#                            efficient SDPA) for none / selective / full, memory and time
+#                            efficient SDPA) for none / selective / full, memory and time (eager)
+#     sac_compiled   ~60 s   the same with each block compiled, flash only
 #     meta_init      ~20 s   meta build + sharded init through DTensor's RNG vs the eager build
 #     cpu_offload    ~35 s   cpu_offload=True steps: losses vs no offload, GPU memory
 #     async_save     ~35 s   async save (pinned staging): training stall vs sync save
 #     init_broadcast ~15 s   real weights built in __init__ under fsdp2 (NCCL staging path)
 #     plan_memory    ~25 s   gpt2-124m peak memory under fsdp2 vs `lightning-disttrain plan`
-# Total ~410 s estimated. LDT_GPU_DEADLINE (exported below) lets each script skip, and name in its
+# Total ~590 s estimated (measured on one H200, 2026-12-04, before fp8_wide and sac_compiled: all
+# parts 204 s, so the estimates are high). LDT_GPU_DEADLINE (exported below) lets each script skip, and name in its
 # JSON, a section that no longer fits instead of being killed in it; the timeouts are the backstop.
 #
 # At the end gpu_report.py merges every JSON into $OUT/gpu_report.json (one file, every figure).
@@ -43,12 +46,15 @@
 # `--parts bench paths` as two commands.
 #
 # Exit status 0 only when every script that ran passed every section and check. Needs torch, lightning,
-# torchmetrics and torchao. The GPU image has all but torchao; bring it
-# as a wheel in .whl/ (see /work/.library/device/README.md; torchao's wheel is cp310-abi3, so it
-# installs on any Python >= 3.10), e.g. here:
+# torchmetrics, torchao and jsonargparse (the CLI, for `plan`). The device's image (seen 2026-12-04:
+# torch 2.11.0+cu130, lightning 2.6.6) lacks torchao, jsonargparse, docstring-parser and
+# typeshed-client; bring them as wheels in .whl/ (see /work/.library/device/README.md; torchao's
+# wheel is cp310-abi3, so it installs on any Python >= 3.10), e.g. here:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
-# and carry ".whl". Without torchao the fp8 section is skipped, the others still run.
+#       --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0 jsonargparse==4.53.0 \
+#       docstring-parser typeshed-client
+# and carry ".whl" (4.4 MB). Without torchao the fp8 sections are skipped, the others still run.
+# The whole run there took 204 s (2026-12-04, before fp8_wide and sac_compiled were added).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -69,7 +75,7 @@ while (( $# )); do
 done
 want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 
-if ! "$PY" -c "import torchao" 2>/dev/null && compgen -G ".whl/torchao-*.whl" >/dev/null; then
+if ! "$PY" -c "import torchao, jsonargparse" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
@@ -77,10 +83,10 @@ fi
 if want versions; then
     "$PY" benchmarks/gpu_versions.py || echo "# gpu_versions.py failed (exit $?): versions not recorded"
 fi
-sections=(mfu mfu_lightning fp8)
+sections=(mfu mfu_lightning fp8 fp8_wide)
 if ! "$PY" -c "import torchao.float8" 2>/dev/null; then
     echo "# torchao is not importable: skipping the fp8 section (see the header of $0)"
-    sections=(mfu mfu_lightning)
+    sections=(mfu mfu_lightning)  # fp8 and fp8_wide need it
 fi
 if [[ ${#smoke[@]} -eq 0 ]]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true

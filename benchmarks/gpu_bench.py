@@ -17,6 +17,10 @@ a section that no longer fits is skipped and named under ``skipped``):
    timed steps) compare step by step: ``fp8`` in the JSON holds the max / mean absolute gap per
    recipe. MFU of every run is given against the *bf16* peak so the rows compare; against the fp8
    peak the float8 runs' MFU would be about half.
+4. ``fp8_wide``: the same comparison on four
+   blocks of Llama-3-8B's width (``WIDE``: d 4096, 32 heads / 8 KV heads, SwiGLU 14336, RMSNorm,
+   RoPE, no biases, untied head; GPT-2's vocabulary), seq 1024: float8's gain depends on the matmul
+   sizes, and at gpt2-774m's width (1280) the casts cost about what the fp8 matmuls save.
 
 Prints a compact table; with ``$OUT`` set (or ``--out``) writes ``gpu_bench.json`` there after every
 section, so a timeout still leaves what was measured.
@@ -48,7 +52,13 @@ try:  # run as a script (benchmarks/ on sys.path) or as benchmarks.gpu_bench
 except ImportError:
     from benchmarks.gpu_report import deadline_from_env
 
-ESTIMATES = {"mfu": 60, "mfu_lightning": 40, "fp8": 50}
+ESTIMATES = {"mfu": 60, "mfu_lightning": 40, "fp8": 50, "fp8_wide": 40}
+
+WIDE = dict(n_layer=4, n_embd=4096, n_head=32, n_kv_head=8, mlp="swiglu", mlp_hidden=14336, norm="rmsnorm",
+            pos_emb="rope", bias=False, tie_embeddings=False)
+"""``fp8_wide``'s model: four blocks of Llama-3-8B's shapes (GPTConfig overrides of gpt2-124m)."""
+WIDE_SMOKE = dict(n_layer=2, n_embd=128, n_head=4, n_kv_head=2, mlp="swiglu", mlp_hidden=256, norm="rmsnorm",
+                  pos_emb="rope", bias=False, tie_embeddings=False)
 """Section -> estimated seconds on one H200 (fp8: per run; it runs bf16, then each recipe). Mostly
 compile: the timed steps take a few seconds. A section that no longer fits the budget is skipped."""
 
@@ -69,12 +79,13 @@ def bf16_peak(device: torch.device) -> tuple[float, str]:
 
 
 def train_loop(preset: str, *, device: torch.device, batch: int, seq: int, warmup: int, steps: int,
-               float8: str | None, compile: bool, vocab: int | None, peak: float) -> dict[str, Any]:
+               float8: str | None, compile: bool, vocab: int | None, peak: float,
+               model_overrides: dict[str, Any] | None = None, label: str | None = None) -> dict[str, Any]:
     """Build, optionally swap to float8 (``float8``: the recipe, "tensorwise" or "rowwise") and
     compile, then time ``steps`` training steps. Same seed, so the same initial weights and the
     same batch for every run: the per-step losses of two runs compare step by step."""
     torch.manual_seed(0)
-    overrides = {"block_size": seq} | ({"vocab_size": vocab} if vocab else {})
+    overrides = {"block_size": seq} | ({"vocab_size": vocab} if vocab else {}) | (model_overrides or {})
     cfg = GPTConfig.from_name(preset, **overrides)
     with torch.device(device):
         model = GPT(cfg)
@@ -119,7 +130,7 @@ def train_loop(preset: str, *, device: torch.device, batch: int, seq: int, warmu
     precision = "bf16" if use_autocast else "fp32"
     if float8:
         precision = f"fp8 {float8}{'' if device.type == 'cuda' else ' (emul.)'}"
-    return {"model": preset, "precision": precision, "batch": batch, "seq": seq, "recompiles_timed": recompiles,
+    return {"model": label or preset, "precision": precision, "batch": batch, "seq": seq, "recompiles_timed": recompiles,
             "float8_linears": n_fp8, "step_ms": 1e3 * step_s, "tokens_per_s": tokens_per_s,
             "tflops": tflops, "mfu_bf16_peak": tflops * 1e12 / peak, "peak_mem_gib": mem,
             "first_step_s": compile_s, "losses": [float(v) for v in losses], "final_loss": float(losses[-1]),
@@ -192,7 +203,7 @@ def fp8_comparison(runs: dict[str | None, dict[str, Any] | None]) -> dict[str, d
 
 
 def _row(r: dict[str, Any]) -> str:
-    return (f"{r['section']:<14} {r['model']:<10} {r['precision']:<23} {r['batch']:>3}x{r['seq']:<5} "
+    return (f"{r['section']:<14} {r['model']:<11} {r['precision']:<23} {r['batch']:>3}x{r['seq']:<5} "
             f"{r['step_ms']:>9.1f} {r['tokens_per_s']:>12,.0f} {r['tflops']:>8.1f} {100 * r['mfu_bf16_peak']:>7.1f} "
             f"{r['peak_mem_gib']:>8.1f}")
 
@@ -265,17 +276,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fp8 = {recipe: run("fp8", with_oom_retry, loop=train_loop, preset=large, batch=batches["fp8"],
                            float8=recipe, **fp8_shape, **common) for recipe in [None, *args.fp8_recipes]}
         report["fp8"] = fp8_comparison(fp8)
+    if "fp8_wide" in args.sections:
+        wide_shape = dict(shape, warmup=min(shape["warmup"], 5), steps=min(shape["steps"], 15))
+        wide = dict(preset=small, model_overrides=WIDE_SMOKE if args.smoke else WIDE, label="8b-width x4")
+        runs = {recipe: run("fp8_wide", with_oom_retry, loop=train_loop, batch=batches["fp8"], float8=recipe,
+                            **wide, **wide_shape, **common) for recipe in [None, *args.fp8_recipes]}
+        report["fp8_wide"] = fp8_comparison(runs)
+    if args.out and ("fp8" in report or "fp8_wide" in report):  # the comparisons too, not only the runs
+        with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+            json.dump(report, f, indent=1)
 
-    header = (f"{'section':<14} {'model':<10} {'precision':<23} {'shape':>9} {'step ms':>9} {'tokens/s':>12} "
+    header = (f"{'section':<14} {'model':<11} {'precision':<23} {'shape':>9} {'step ms':>9} {'tokens/s':>12} "
               f"{'TFLOP/s':>8} {'MFU %':>7} {'mem GiB':>8}")
     print(header)
     print("-" * len(header))
     for r in report["results"]:
         print(_row(r))
-    for recipe, c in report.get("fp8", {}).items():
-        print(f"# fp8 {recipe} vs {c['baseline']} ({large}): speedup {c['speedup']:.3f}x (tokens/s); loss gap over "
-              f"{c['steps']} steps: max {c['max_abs_loss_gap']:.4f}, mean {c['mean_abs_loss_gap']:.4f}, "
-              f"max relative {100 * c['max_rel_loss_gap']:.2f}%")
+    for key, model in (("fp8", large), ("fp8_wide", "8b-width x4")):
+        for recipe, c in report.get(key, {}).items():
+            print(f"# {key} {recipe} vs {c['baseline']} ({model}): speedup {c['speedup']:.3f}x (tokens/s); "
+                  f"loss gap over {c['steps']} steps: max {c['max_abs_loss_gap']:.4f}, mean {c['mean_abs_loss_gap']:.4f}, "
+                  f"max relative {100 * c['max_rel_loss_gap']:.2f}%")
     print(f"# MFU % against the {peak_source} peak for every row (fp8 rows too, so rows compare); "
           f"first-step (compile) s: " + ", ".join(f"{r['section']}/{r['precision']}: {r.get('first_step_s', 0):.0f}"
                                                  for r in report["results"] if "first_step_s" in r))

@@ -455,7 +455,9 @@ def _fact_check(kind: str, facts: list[dict]) -> tuple[bool, str]:
             f" (profiler: {errors[0]})" if errors else "")
     if kind == "cp":
         ok = bool(facts) and all(any(s.startswith("context_parallel: cp=2") for s in f["parallelized_steps"])
-                                 for f in facts) and _has_mesh(facts, "dp_shard_cp", 2)
+                                 for f in facts) and (_has_mesh(facts, "dp_shard_cp", 2) or _has_mesh(facts, "cp", 2))
+        # With dp_shard == 1 the shard mesh is the world's own 1-D "cp" dimension (ParallelDims builds
+        # no flattened copy over the same ranks), so either name is the same sharding.
         return ok, "context parallel cp=2 applied on every rank, parameters sharded over dp_shard x cp (2)"
     raise ValueError(kind)
 

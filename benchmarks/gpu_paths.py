@@ -6,7 +6,8 @@ Sections, most important first, with estimates on one H200 (gpu.sh gives this sc
 of its 440 s; a section that no longer fits is skipped and named in the JSON):
 
 1. ``sac`` (~30 s): ``gpu_sac.measure``: attention forwards per block, memory, time for
-   none / selective / full under the flash, cuDNN and memory-efficient SDPA kernels.
+   none / selective / full under the flash, cuDNN and memory-efficient SDPA kernels, eager.
+   ``sac_compiled`` (~60 s): the same, flash only, each block compiled.
 2. ``meta_init`` (~20 s): ``empty_init=True`` builds on the meta device; the strategy shards
    first, then each rank draws each full parameter from a generator of its own
    (``models/param_init.py``) and keeps its shard. Compared, tensor by tensor (bitwise equal, max
@@ -209,13 +210,20 @@ def cpu_offload(shape: Shape, device: torch.device, steps: int) -> dict[str, Any
 
 
 class SaveEvery(L.Callback):
-    """Saves at the given steps; times how long ``save_checkpoint`` blocks the loop."""
+    """Saves at the given steps; times how long ``save_checkpoint`` blocks the loop. Before each
+    save it first waits, untimed (``previous_wait_s``), for the previous background write: saves a
+    few steps apart would otherwise time the wait for the last write (a save waits for it before it
+    stages), which real runs, saving minutes apart, never see."""
 
     def __init__(self, directory: str, at: tuple[int, ...]) -> None:
         self.directory, self.at, self.block_s, self.wait_s = directory, at, [], float("nan")
+        self.previous_wait_s: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step in self.at:
+            t0 = time.perf_counter()
+            trainer.strategy.wait_for_checkpoint()
+            self.previous_wait_s.append(time.perf_counter() - t0)
             _sync(pl_module.device)
             t0 = time.perf_counter()
             trainer.save_checkpoint(os.path.join(self.directory, f"step{trainer.global_step}"))
@@ -241,7 +249,8 @@ def async_save(shape: Shape, device: torch.device, steps: int) -> dict[str, Any]
             size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in
                        os.walk(os.path.join(directory, f"step{at[-1]}")) for f in files)
             writer = getattr(r.trainer.strategy, "_dcp_writer", None)
-            out[mode] = {"block_s": saver.block_s, "final_wait_s": saver.wait_s, "checkpoint_gb": size / 1e9,
+            out[mode] = {"block_s": saver.block_s, "previous_write_wait_s": saver.previous_wait_s,
+                         "final_wait_s": saver.wait_s, "checkpoint_gb": size / 1e9,
                          "manifests": len(manifests), "median_step_s": sorted(r.step_s)[len(r.step_s) // 2],
                          "stager": type(getattr(writer, "_stager", None)).__name__}
         finally:
@@ -349,6 +358,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = SectionReport("gpu_paths.json", args.out, device, args.smoke, deadline_from_env())
     print(f"# gpu_paths {report.data['date']}  device {report.data['device']}  torch {torch.__version__}", flush=True)
     calls = {"sac": lambda: gpu_sac.measure(device, args.smoke),
+             "sac_compiled": lambda: gpu_sac.measure(device, args.smoke, compiled=True),
              "meta_init": lambda: meta_init(shape, device),
              "cpu_offload": lambda: cpu_offload(shape, device, 5 if not args.smoke else 2),
              "async_save": lambda: async_save(shape, device, max(steps, 7)),
@@ -357,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, estimate_s in SECTIONS.items():
         if name in args.sections:
             result = report.run(name, estimate_s, calls[name])
-            if result is not None and name != "sac":
+            if result is not None and not name.startswith("sac"):
                 print("#   " + json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))},
                                           default=str)[:600], flush=True)
     if report.data["errors"]:
@@ -365,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report.data
 
 
-SECTIONS = {"sac": 30, "meta_init": 20, "cpu_offload": 35, "async_save": 35, "init_broadcast": 15, "plan_memory": 25}
+SECTIONS = {"sac": 30, "sac_compiled": 60, "meta_init": 20, "cpu_offload": 35, "async_save": 35, "init_broadcast": 15, "plan_memory": 25}
 """Section -> estimated seconds on one H200 (the time budget skips a section that would not fit)."""
 
 

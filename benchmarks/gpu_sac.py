@@ -15,6 +15,11 @@ one eager training step (forward, cross-entropy, backward; bf16 autocast) of ``g
   read, logits included) and the step's peak over the start; on CPU ``activation_bytes``.
 - time: median forward+backward wall time over ``steps`` steps (GPU drained before and after).
 
+``compiled=True`` (gpu_paths.py's ``sac_compiled``): the same for the flash kernel only, each block
+compiled after its checkpointing (the package's stage order), a fresh model (same seed) and fresh
+dynamo state per policy. Eager timings carry SAC's per-op Python dispatch in both passes, which a
+launch-bound eager step of gpt2-124m shows in full; compiled, the policy is traced into the graph.
+
 On CPU (``--smoke``) the only fused kernel is ``_scaled_dot_product_flash_attention_for_cpu``;
 the op counts are checked the same way, kernel counts and CUDA memory are absent.
 """
@@ -141,24 +146,36 @@ def _time(model: GPT, inputs, targets, device: torch.device, steps: int) -> floa
     return statistics.median(times)
 
 
-def measure(device: torch.device, smoke: bool) -> dict[str, Any]:
-    preset, vocab, batch, seq, steps = ("tiny", 257, 2, 64, 1) if smoke else ("gpt2-124m", None, 8, 1024, 5)
+def _model(cfg: GPTConfig, device: torch.device) -> GPT:
     torch.manual_seed(0)
-    cfg = GPTConfig.from_name(preset, block_size=seq, **({"vocab_size": vocab} if vocab else {}))
     with torch.device(device):
-        model = GPT(cfg)
+        return GPT(cfg)
+
+
+def measure(device: torch.device, smoke: bool, compiled: bool = False) -> dict[str, Any]:
+    preset, vocab, batch, seq, steps = ("tiny", 257, 2, 64, 1) if smoke else ("gpt2-124m", None, 8, 1024, 5)
+    cfg = GPTConfig.from_name(preset, block_size=seq, **({"vocab_size": vocab} if vocab else {}))
+    model = _model(cfg, device)
     x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
     inputs, targets = x[:, :-1], x[:, 1:]
-    backends = ["flash"] if device.type == "cpu" else list(BACKENDS)
+    backends = ["flash"] if device.type == "cpu" or compiled else list(BACKENDS)
     rows, errors = [], {}
     for backend in backends:
         for policy in POLICIES:
-            remove_activation_checkpointing(model.blocks)
-            apply_activation_checkpointing(model.blocks, policy=policy)
+            if compiled:  # a fresh model and dynamo state: nothing compiled under another policy stays
+                from lightning_disttrain.parallel.compile import apply_compile
+
+                torch._dynamo.reset()
+                model = _model(cfg, device)
+                apply_activation_checkpointing(model.blocks, policy=policy)
+                apply_compile(model.blocks, dynamic=False)
+            else:
+                remove_activation_checkpointing(model.blocks)
+                apply_activation_checkpointing(model.blocks, policy=policy)
             try:
                 with sdpa_kernel([BACKENDS[backend]]):
                     _step(model, inputs, targets, device)  # warm-up (cuDNN plans, allocator)
-                    row = {"backend": backend, "policy": policy}
+                    row = {"backend": backend, "policy": policy, "compiled": compiled}
                     row |= _count_forward_attention(model, inputs, targets, device)
                     row |= _memory(model, inputs, targets, device)
                     row["step_ms"] = 1e3 * _time(model, inputs, targets, device, steps)
@@ -180,7 +197,7 @@ def measure(device: torch.device, smoke: bool) -> dict[str, Any]:
     key = "kernels_per_block" if device.type == "cuda" else "ops_per_block"
     checks = {f"{r['backend']}/{r['policy']}": r.get(key) == expected[r["policy"]] for r in rows}
     _print(rows, key)
-    return {"model": preset, "batch": batch, "seq": seq, "n_layer": cfg.n_layer, "timed_steps": steps,
+    return {"model": preset, "batch": batch, "seq": seq, "n_layer": cfg.n_layer, "timed_steps": steps, "compiled": compiled,
             "precision": "bf16 autocast" if device.type == "cuda" else "fp32", "rows": rows,
             "attention_forward_per_block_as_expected": checks, "counted_by": key, "backend_errors": errors}
 

@@ -109,6 +109,13 @@ def test_layout_checks_fail_when_they_should():
     assert gpu_layouts._fact_check("pp", stages)[0]
     assert not gpu_layouts._fact_check("async_tp", [dict(tp, op_counts={})])[0]
     assert gpu_layouts._fact_check("async_tp", [dict(tp, op_counts={"symm_mem::fused_all_gather_matmul": 4})])[0]
+    # cp=2 alone: the parameters are sharded over the world's own "cp" dimension (no flattened copy
+    # over the same ranks); with dp_shard > 1 over the flattened "dp_shard_cp". Both are cp's sharding.
+    cp = {"param_meshes": ["cp=2"], "parallelized_steps": ["context_parallel: cp=2 (head-tail)"]}
+    assert gpu_layouts._fact_check("cp", [cp, cp])[0]
+    assert gpu_layouts._fact_check("cp", [dict(cp, param_meshes=["dp_shard_cp=2"])])[0]
+    assert not gpu_layouts._fact_check("cp", [dict(cp, param_meshes=["tp=2"])])[0]
+    assert not gpu_layouts._fact_check("cp", [dict(cp, parallelized_steps=[])])[0]
 
 
 def test_one_device_reference_run_records_losses_weights_and_settings(monkeypatch):
