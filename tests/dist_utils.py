@@ -111,6 +111,18 @@ def run_torch_script(script: Path, nprocs: int, *args: str, timeout: float = 300
     _check(procs, timeout)
 
 
+def exit_without_teardown(code: int = 0):
+    """End a worker process that has destroyed its process groups and written its results, without
+    the interpreter's finalisation. There, gloo process groups still referenced (device meshes,
+    DTensor's caches) are destroyed with a worker thread still joinable, and now and then a rank
+    aborted after its results were written: "terminate called without an active exception", exit
+    -6 (seen in this suite's muon_owner_worker rank 1, 2026-12-04, and in a benchmark's cp worker,
+    docs/benchmarks.md section 12; torch's atexit fix, pytorch#179291, was abandoned)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def rank_json(out_dir: str | Path, name: str, rank: int) -> Path:
     return Path(out_dir) / f"{name}.rank{rank}.json"
 

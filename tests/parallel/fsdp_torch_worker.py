@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_utils import write_rank_json  # noqa: E402
+from dist_utils import exit_without_teardown, write_rank_json  # noqa: E402
 from lightning_disttrain.models.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_disttrain.parallel.fsdp import (  # noqa: E402
     apply_fsdp,
@@ -182,6 +182,7 @@ def main() -> None:
 
     write_rank_json(out_dir, "torch", rank, res)
     dist.destroy_process_group()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_utils import write_rank_json  # noqa: E402
+from dist_utils import exit_without_teardown, write_rank_json  # noqa: E402
 from lightning_disttrain.parallel.fsdp import apply_fsdp  # noqa: E402
 from lightning_disttrain.parallel.plan import ParallelPlan  # noqa: E402
 
@@ -62,6 +62,7 @@ def main(out_dir: str) -> None:
                         {"plain": views_warned(True, mesh), "view_blocks": views_warned(False, mesh)})
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dist_utils import write_rank_json  # noqa: E402
+from dist_utils import exit_without_teardown, write_rank_json  # noqa: E402
 from lightning_disttrain.optim import build_optimizer  # noqa: E402
 from lightning_disttrain.parallel import muon as muon_mod  # noqa: E402
 
@@ -93,6 +93,7 @@ def main() -> None:
     result["tp_fallback"] = [type(muon).__name__, [str(w.message) for w in caught]]
     write_rank_json(out_dir, "muon_owner", rank, result)
     dist.destroy_process_group()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

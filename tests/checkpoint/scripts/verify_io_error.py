@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from dist_utils import write_rank_json  # noqa: E402
+from dist_utils import exit_without_teardown, write_rank_json  # noqa: E402
 from lightning_disttrain.checkpoint import manifest  # noqa: E402
 from lightning_disttrain.checkpoint.dcp_io import Comm, verify_distributed  # noqa: E402
 
@@ -32,3 +32,4 @@ except Exception as err:
     error = f"{type(err).__name__}: {err}"
 write_rank_json(out, "verify", rank, {"error": error})
 dist.destroy_process_group()
+exit_without_teardown()
