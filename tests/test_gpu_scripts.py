@@ -159,3 +159,51 @@ def test_merged_report_holds_every_part(tmp_path):
     assert merged["missing"] == ["gpu_bench.json", "gpu_paths.json"]
     assert merged["summary"]["gpu_layouts"] == {"skipped": ["hsdp"], "failed_checks": ["tp"]}
     assert merged["summary"]["gpu_versions"] == {"differences": ["torch: x"]}
+
+
+# ---- the figures of the recorded GPU run (gpu_report.py --plot; docs/benchmarks.md 9.1)
+
+RESULTS = BENCH / "results" / "h200-2026-12-04"
+
+
+def test_figures_of_the_first_gpu_run_from_its_recorded_jsons(tmp_path):
+    pytest.importorskip("matplotlib")
+    from gpu_report import load_runs, plot_reports
+
+    runs = load_runs([str(RESULTS)])  # a directory: its gpu_bench / gpu_paths / gpu_versions JSONs
+    assert [(r["label"], r["kind"]) for r in runs] == [
+        ("run1", "bench"), ("run1", "paths"), ("run1", "versions"), ("run2", "bench"), ("run2", "paths"),
+        ("run3", "bench"), ("run3", "paths")]
+    inputs = [str(RESULTS / f"run{n}_gpu_{part}.json") for n in (1, 2, 3) for part in ("bench", "paths")]
+    result = plot_reports(inputs, str(tmp_path), command="python benchmarks/gpu_report.py --plot ...")
+    assert not result["skipped"]
+    for name in ("gpu-throughput", "gpu-fp8-speedup", "gpu-sac", "gpu-async-save"):
+        text = (tmp_path / f"{name}.svg").read_text()
+        assert result["files"][name] == str(tmp_path / f"{name}.svg")
+        assert text.startswith("<?xml") and "<svg" in text
+        assert "NVIDIA H200" in text and "2.11.0+cu130" in text and "2026-12-04T" in text  # machine and date
+
+    # float8 over bf16, recomputed here from the rows: one section of one JSON each
+    expected = {}
+    for n in (1, 2, 3):
+        rows = json.loads((RESULTS / f"run{n}_gpu_bench.json").read_text())["results"]
+        bf16 = {r["section"]: r["tokens_per_s"] for r in rows if r["precision"] == "bf16"}
+        expected |= {(f"run{n}", r["section"], r["precision"].removeprefix("fp8 ")): r["tokens_per_s"] / bf16[r["section"]]
+                     for r in rows if r["precision"].startswith("fp8 ")}
+    speedups = {(s["run"], s["section"], s["recipe"]): s["speedup"] for s in result["fp8_speedup"]}
+    assert len(speedups) == 5 and speedups == pytest.approx(expected)
+    recorded = json.loads((RESULTS / "run3_gpu_bench.json").read_text())["fp8_wide"]["tensorwise"]["speedup"]
+    assert speedups[("run3", "fp8_wide", "tensorwise")] == pytest.approx(recorded, abs=1e-9)  # gpu_bench.py's own
+    assert speedups[("run1", "fp8", "tensorwise")] == pytest.approx(1.0321, abs=1e-3)  # docs/benchmarks.md 9.1
+    assert speedups[("run2", "fp8_wide", "tensorwise")] == pytest.approx(1.279, abs=1e-3)
+    assert speedups[("run3", "fp8_wide", "tensorwise")] == pytest.approx(1.278, abs=1e-3)
+
+    assert len(result["throughput"]) == 10  # every row of every bench JSON, none deduplicated
+    assert [(s["run"], s["mode"], s["backend"]) for s in result["sac"]][-1] == ("run2", "compiled", "flash")
+    assert len(result["sac"]) == 7 and all(len(s["points"]) == 3 for s in result["sac"])
+    assert [s["run"] for s in result["async_save"]] == ["run3"]  # only the benchmark that waits untimed
+    assert max(result["async_save"][0]["async"]) < min(result["async_save"][0]["sync"])
+
+    again = plot_reports(inputs, str(tmp_path / "again"), command="python benchmarks/gpu_report.py --plot ...")
+    for name, path in result["files"].items():  # no date, fixed ids: the same bytes
+        assert Path(path).read_bytes() == Path(again["files"][name]).read_bytes(), name
