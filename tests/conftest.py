@@ -48,6 +48,7 @@ torch.set_num_threads(int(os.environ.get("LDT_TEST_THREADS", "1")))
 # Every test that starts more than one process is marked slow. Nothing asserts on wall time.
 
 import threading  # noqa: E402
+import time  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -55,6 +56,19 @@ import dist_utils  # noqa: E402
 from dist_utils import read_ranks, run_lightning_script  # noqa: E402
 
 _NEEDED: dict[int, list[tuple[str, str]]] = {}
+
+# LDT_SUITE_TIMELINE=FILE: one line per event (seconds since the session started, what): each
+# launch's and background job's start and end, the first test of each order, the session's end.
+# Off by default; docs/benchmarks.md section 25 shows what it recorded.
+_T0 = time.monotonic()
+_TIMELINE = os.environ.get("LDT_SUITE_TIMELINE")
+_TIMELINE_LOCK = threading.Lock()
+
+
+def _mark(event: str) -> None:
+    if _TIMELINE:
+        with _TIMELINE_LOCK, open(_TIMELINE, "a") as f:
+            f.write(f"{time.monotonic() - _T0:8.1f} {event}\n")
 
 
 _LAUNCH_FIXTURES = {"launched", "two", "four"}
@@ -145,6 +159,7 @@ class _Launch:
         """Why it ran twice (a rank vanished without an error of its own the first time)."""
 
     def run(self, tmp_path_factory, devices: int, jobs: list[tuple[str, str]]) -> None:
+        _mark(f"launch {devices} start")
         try:
             out = tmp_path_factory.mktemp(f"ranks{devices}")
             failure = _launch_once(out, devices, jobs)
@@ -159,6 +174,7 @@ class _Launch:
         except BaseException as e:  # noqa: BLE001  (reported by the tests that wait for it)
             self.error = f"the {devices}-rank launch did not run: {type(e).__name__}: {e}"
         finally:
+            _mark(f"launch {devices} end")
             self.finished.set()
 
 
@@ -194,8 +210,9 @@ def _background_launches(tmp_path_factory):
 # ~450 s they took, docs/benchmarks.md section 25). A module may declare
 # ``BACKGROUND = {"fixture": function(tmp_path_factory) -> value}`` for its expensive module-scoped
 # multi-process fixtures: they start, one after another in a thread, when the first test of order 2
-# runs (after every shared launch), and their tests come last (order 3), reading the value with
-# ``background(__name__, "fixture")``. A function runs in that thread: it must not touch
+# runs (after every shared launch: started any earlier, beside the launches, they slowed the
+# launches more than they gained, even at nice 10; section 25), and their tests come last (order 3),
+# reading the value with ``background(__name__, "fixture")``. A function runs in that thread: it must not touch
 # ``os.environ`` (its processes start from the session's environment: ``dist_utils.background_env``)
 # nor pytest's per-test state, and it reports warnings by returning them.
 
@@ -226,18 +243,30 @@ def _start_background_jobs(tmp_path_factory) -> None:
         dist_utils.background_env.base = _SESSION_ENV
         for module, name, function in _BACKGROUND_NEEDED:
             job = _JOBS[module, name]
+            _mark(f"background {module}.{name} start")
             try:
                 job.value = function(tmp_path_factory)
             except BaseException as e:  # noqa: BLE001  (raised again in the test that reads it)
                 job.error = e
             finally:
+                _mark(f"background {module}.{name} end")
                 job.finished.set()
 
     if _BACKGROUND_NEEDED:
         threading.Thread(target=run_all, name="ldt-background", daemon=True).start()
 
 
+_ORDERS_SEEN: set[int] = set()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _mark(f"session end (exit {int(exitstatus)})")
+
+
 def pytest_runtest_setup(item):
+    if _TIMELINE and _order(item) not in _ORDERS_SEEN:
+        _ORDERS_SEEN.add(_order(item))
+        _mark(f"order {_order(item)} first test {item.nodeid}")
     if _order(item) >= 2 and _TMP_PATH_FACTORY and not _JOBS_STARTED.is_set():
         _start_background_jobs(_TMP_PATH_FACTORY[0])
 
