@@ -288,18 +288,6 @@ def _machine(runs: list[dict[str, Any]], used: list[str], kind: str) -> str:
     return f"{'; '.join(machines)}; data ({kind}): {dates}"
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'lightning-disttrain[plot]' (or pip install "
-                         "matplotlib)") from None
-    matplotlib.use("Agg", force=True)  # files only: no display needed, none opened
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(plt, fig, path: str, footnote: str, right: float = 1.0) -> None:
     lines = textwrap.wrap(footnote, int(fig.get_figwidth() * 19))  # ~19 characters of 6.5 pt per inch
     fig.text(0.01, 0.01, "\n".join(lines), fontsize=6.5, color="gray", va="bottom")
@@ -434,7 +422,9 @@ def plot_reports(inputs: list[str], out_dir: str, command: str = "", fmt: str = 
     runs = load_runs(inputs)
     data = {"throughput": throughput_rows(runs), "fp8_speedup": fp8_speedups(runs), "sac": sac_series(runs),
             "async_save": async_saves(runs)}
-    plt = _pyplot()
+    from lightning_disttrain.planning.plot import pyplot  # matplotlib on Agg, or what to install
+
+    plt = pyplot()
     os.makedirs(out_dir, exist_ok=True)
     rendered = f" Rendered by: {command}" if command else ""
     jobs = {"gpu-throughput": (_draw_throughput, data["throughput"], "bench", "no gpu_bench results"),

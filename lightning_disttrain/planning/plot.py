@@ -21,7 +21,8 @@ PARTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimi
 FORMATS = (".png", ".svg", ".pdf")
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or a ValueError naming the extra to install."""
     try:
         import matplotlib
     except ImportError:
@@ -46,7 +47,7 @@ def check_path(path: str | Path) -> Path:
 def plot_memory(plan: Plan, path: str | Path, command: str = "") -> Path:
     """Write the chart of ``plan``'s layouts to ``path``; returns it."""
     path = check_path(path)
-    plt = _pyplot()
+    plt = pyplot()
     height = max(2.5, 0.35 * len(plan.candidates) + 1.6)
     with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: searchable, smaller
         fig, ax = plt.subplots(figsize=(10, height))
