@@ -369,9 +369,17 @@ def activation_bytes(forward: Callable[[], Any], settle_s: float = 0.0) -> tuple
     def alive() -> int:
         return sum(n for ref, n in tracker.storages.values() if not ref.expired())
 
-    count, deadline, same = alive(), time.monotonic() + settle_s, 0
-    while same < 20 and time.monotonic() < deadline:
+    return result, settled(alive, settle_s)
+
+
+def settled(read: Callable[[], int], most_s: float, quiet_s: float = 0.2) -> int:
+    """``read()`` once it has not changed for ``quiet_s`` (read every 10 ms), at most ``most_s``
+    seconds: a count of live bytes after gloo's worker threads have dropped the tensors of
+    collectives already waited on. ``most_s <= 0``: one read."""
+    count, deadline, since = read(), time.monotonic() + most_s, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
         time.sleep(0.01)
-        now = alive()
-        same, count = (same + 1 if now == count else 0), now
-    return result, count
+        now = read()
+        if now != count:
+            count, since = now, time.monotonic()
+    return count

@@ -22,7 +22,6 @@ parameters, their gradients and the optimizer state.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
@@ -34,6 +33,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import worker_main  # noqa: E402
+
+from lightning_disttrain.parallel.activation import settled  # noqa: E402
 
 SEQ = 64
 MICRO = 4
@@ -66,21 +67,6 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def reset(self) -> None:
         self.peak = self.now
-
-    def settled(self, most_s: float = 2.0, quiet_s: float = 0.2) -> int:
-        """``now`` once it has not changed for ``quiet_s`` (at most ``most_s``): gloo's worker threads
-        can still hold a collective's buffers for a moment after it was waited on (one CI run read
-        3 x 64 KiB + 1 KiB more on one rank after the first micro-batch than every other run did;
-        tests/strategies/test_context_parallel.py met the same with K/V shards)."""
-        last, since, end = self.now, time.monotonic(), time.monotonic() + most_s
-        while time.monotonic() < end:
-            time.sleep(0.01)
-            now = self.now
-            if now != last:
-                last, since = now, time.monotonic()
-            elif time.monotonic() - since >= quiet_s:
-                break
-        return last
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -115,7 +101,9 @@ class Meter(L.Callback):
         if batch_idx < self.window:
             return
         if batch_idx < self.window + ACCUMULATE - 1:
-            self.between.append(self.mode.settled())
+            # once gloo's threads have dropped a collective's buffers (one CI run read 3 x 64 KiB +
+            # 1 KiB more on one rank after the first micro-batch than every other run did)
+            self.between.append(settled(lambda: self.mode.now, 2.0))
             return
         self.peak = self.mode.peak
         self.mode.__exit__(None, None, None)
