@@ -242,6 +242,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"# gpu_bench {report['date']}  device {name}  torch {torch.__version__}  "
           f"peak {peak / 1e12:.4g} TFLOP/s ({peak_source})  compile {compile}")
 
+    def write() -> None:  # after every section, and once the comparisons are in
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+                json.dump(report, f, indent=1)
+
     def run(section: str, fn, **kwargs) -> dict[str, Any] | None:
         left = None if deadline is None else deadline - time.time()
         if left is not None and left < ESTIMATES[section]:  # skipped and said so, rather than killed mid-way
@@ -259,10 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             r["section"], r["wall_s"] = section, time.perf_counter() - t0
             report["results"].append(r)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-                json.dump(report, f, indent=1)
+        write()
         return r
 
     common = dict(device=device, compile=compile, vocab=vocab, peak=peak)
@@ -282,9 +285,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = {recipe: run("fp8_wide", with_oom_retry, loop=train_loop, batch=batches["fp8"], float8=recipe,
                             **wide, **wide_shape, **common) for recipe in [None, *args.fp8_recipes]}
         report["fp8_wide"] = fp8_comparison(runs)
-    if args.out and ("fp8" in report or "fp8_wide" in report):  # the comparisons too, not only the runs
-        with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    write()
 
     header = (f"{'section':<14} {'model':<11} {'precision':<23} {'shape':>9} {'step ms':>9} {'tokens/s':>12} "
               f"{'TFLOP/s':>8} {'MFU %':>7} {'mem GiB':>8}")
