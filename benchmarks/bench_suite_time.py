@@ -9,8 +9,10 @@
         Runs ``python -m pytest -q`` (the README's command; extra arguments after ``--``) with every
         Python process it starts logging, at exit, its start, end and CPU seconds; then prints the
         processes by script with their count and CPU, and the cores the children kept busy in each
-        30 s of the run. A process killed by a signal or ended by ``os._exit`` writes no record:
-        the counts are a lower bound.
+        30 s of the run, and the suite's timeline (tests/conftest.py's ``LDT_SUITE_TIMELINE``: when
+        each shared launch and background fixture started and ended, when each order of tests
+        began). A process killed by a signal or ended by ``os._exit`` writes no record: the counts
+        are a lower bound.
 
 Results: docs/benchmarks.md section 25.
 """
@@ -75,7 +77,9 @@ def suite(pytest_args: list[str]) -> None:
         log = Path(tmp) / "processes.jsonl"
         (Path(tmp) / "sitecustomize.py").write_text(
             _LOGGER.format(path=str(log), startup=str(STARTUP / "sitecustomize.py")))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        timeline = Path(tmp) / "timeline.txt"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                   LDT_SUITE_TIMELINE=str(timeline))
         start = time.time()
         rc = subprocess.run([sys.executable, "-m", "pytest", "-q", *pytest_args], cwd=REPO, env=env).returncode
         wall = time.time() - start
@@ -83,6 +87,7 @@ def suite(pytest_args: list[str]) -> None:
         for line in log.read_text().splitlines():
             pid, t0, t1, cpu, argv = json.loads(line)
             records[pid] = (t0, t1, cpu, argv)
+        events = timeline.read_text().splitlines() if timeline.exists() else []
     pytest_pid = min(records, key=lambda p: records[p][0])
     children = {p: r for p, r in records.items() if p != pytest_pid}
     print(f"suite: rc {rc}, {wall:.0f} s wall; pytest process {records[pytest_pid][2]:.0f} s CPU; "
@@ -99,6 +104,9 @@ def suite(pytest_args: list[str]) -> None:
         lo, hi = start + 30 * b, start + 30 * (b + 1)
         busy = sum(c * max(0.0, min(t1, hi) - max(t0, lo)) / max(t1 - t0, 1e-3) for t0, t1, c, _ in children.values())
         print(f"  {30 * b:5d} s  {busy / 30:4.2f}")
+    print("timeline (s since pytest's session started):")
+    for line in events:
+        print("  " + line.strip())
 
 
 def main() -> None:
