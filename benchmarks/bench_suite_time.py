@@ -5,6 +5,11 @@
         with and without tests/startup (torchmetrics' optional transformers/matplotlib imports off),
         alternated, each repeat side by side: wall and user+sys CPU seconds, median and spread.
 
+    python benchmarks/bench_suite_time.py exits [--repeats 5]
+        A fresh interpreter that imports ``lightning_disttrain.cli`` (with tests/startup) and exits,
+        as it is, and with ``gc.freeze()`` as its last act (what tests/startup does for the suite's
+        own scripts): the whole process's user+sys CPU (``os.wait4``), alternated, median and spread.
+
     python benchmarks/bench_suite_time.py suite [-- PYTEST ARGS]
         Runs ``python -m pytest -q`` (the README's command; extra arguments after ``--``) with every
         Python process it starts logging, at exit, its start, end and CPU seconds; then prints the
@@ -14,7 +19,7 @@
         began). A process killed by a signal or ended by ``os._exit`` writes no record: the counts
         are a lower bound.
 
-Results: docs/benchmarks.md section 25.
+Results: docs/benchmarks.md sections 25 and 26.
 """
 
 from __future__ import annotations
@@ -72,6 +77,28 @@ def imports(repeats: int) -> None:
     print(f"  cpu saved per process (pairs): median {statistics.median(saved):.2f} s [{min(saved):.2f}-{max(saved):.2f}]")
 
 
+def _one_exit(freeze: bool) -> float:
+    env = dict(os.environ, PYTHONPATH=str(STARTUP))
+    code = "import lightning_disttrain.cli" + ("; import gc; gc.freeze()" if freeze else "")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return usage.ru_utime + usage.ru_stime
+
+
+def exits(repeats: int) -> None:
+    rows = {False: [], True: []}
+    for _ in range(repeats):
+        for freeze in (False, True):
+            rows[freeze].append(_one_exit(freeze))
+    print(f"import lightning_disttrain.cli and exit, whole process CPU, {repeats} alternated repeats ({sys.executable})")
+    for freeze, label in ((False, "as it is"), (True, "gc.freeze() last")):
+        print(f"  {label:16s} cpu median {statistics.median(rows[freeze]):5.2f} s  "
+              f"[{min(rows[freeze]):.2f}-{max(rows[freeze]):.2f}]")
+    saved = [a - b for a, b in zip(rows[False], rows[True])]
+    print(f"  cpu saved per process (pairs): median {statistics.median(saved):.2f} s [{min(saved):.2f}-{max(saved):.2f}]")
+
+
 def suite(pytest_args: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "processes.jsonl"
@@ -113,10 +140,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("imports").add_argument("--repeats", type=int, default=5)
+    sub.add_parser("exits").add_argument("--repeats", type=int, default=5)
     sub.add_parser("suite")
     args, rest = parser.parse_known_args()
     if args.what == "imports":
         imports(args.repeats)
+    elif args.what == "exits":
+        exits(args.repeats)
     else:
         suite([a for a in rest if a != "--"])
 

@@ -112,7 +112,9 @@ def pytest_collection_finish(session):  # the selected items, after -k / -m dese
             if (module.__name__, name) not in background:
                 background.add((module.__name__, name))
                 _BACKGROUND_NEEDED.append((module.__name__, name, module.BACKGROUND[name]))
-        if module in seen:
+        # A module's runs launch only when a selected test reads them: under -m "not slow" a module's
+        # in-process tests alone must not start its launch.
+        if module in seen or not (_LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ()))):
             continue
         seen.add(module)
         for devices, runs in getattr(module, "LAUNCH", {}).items():

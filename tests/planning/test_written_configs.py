@@ -33,9 +33,12 @@ from lightning_disttrain.planning.layouts import candidate_layouts
 from lightning_disttrain.planning.memory import memory_per_gpu
 from lightning_disttrain.planning.pipeline import inflight
 
+GLOBAL_BATCH = 8
 PLAN = ["--override", "vocab_size=257", "--gpu", "cpu", "--gpu-memory", "1", "--seq-len", "64",
-        "--global-batch", "16", "--micro-batch", "2", "--precision", "fp32"]
-"""The tiny workload: 16 sequences of 64 tokens per step, micro batch 2, fp32 (CPU)."""
+        "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "2", "--precision", "fp32"]
+"""The tiny workload: 8 sequences of 64 tokens per step, micro batch 2, fp32 (CPU): 4 micro-batches
+per step on one data-parallel rank (gradient accumulation, or a pipeline's micro-batches), as few as
+the interleaved schedule's 4 stages allow (a fit's time grows with them)."""
 
 # (model, gpus per node, nodes, layout as the table names it, log line the strategy prints)
 RUNS = {
@@ -44,14 +47,14 @@ RUNS = {
     "fsdp2-selective": ("tiny", 2, 1, "FSDP2 x2 + AC selective", "activation_checkpointing"),
     "hsdp": ("tiny", 2, 2, "HSDP 2x2", "fsdp"),
     "tp-full": ("tiny", 2, 1, "FSDP2 x1 + TP 2 + AC full", "tensor_parallel"),
-    "pp-1f1b": ("tiny", 1, 2, "FSDP2 x1 + PP 2 (1F1B, 8 mb) + AC selective",
-                "pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 8 micro-batches"),
-    "pp-interleaved": ("tiny", 1, 2, "FSDP2 x1 + PP 2 (Interleaved1F1B v2, 8 mb)",
-                       "pipeline: Interleaved1F1B, 4 stages of 4 blocks [1, 1, 1, 1], 8 micro-batches"),
-    "tp-pp-1f1b": ("tiny", 2, 2, "FSDP2 x1 + TP 2 + PP 2 (1F1B, 8 mb)",
-                   "pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 8 micro-batches"),
-    "tp-pp-interleaved": ("tiny", 2, 2, "FSDP2 x1 + TP 2 + PP 2 (Interleaved1F1B v2, 8 mb) + AC full",
-                          "pipeline: Interleaved1F1B, 4 stages of 4 blocks [1, 1, 1, 1], 8 micro-batches"),
+    "pp-1f1b": ("tiny", 1, 2, "FSDP2 x1 + PP 2 (1F1B, 4 mb) + AC selective",
+                "pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 4 micro-batches"),
+    "pp-interleaved": ("tiny", 1, 2, "FSDP2 x1 + PP 2 (Interleaved1F1B v2, 4 mb)",
+                       "pipeline: Interleaved1F1B, 4 stages of 4 blocks [1, 1, 1, 1], 4 micro-batches"),
+    "tp-pp-1f1b": ("tiny", 2, 2, "FSDP2 x1 + TP 2 + PP 2 (1F1B, 4 mb)",
+                   "pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 4 micro-batches"),
+    "tp-pp-interleaved": ("tiny", 2, 2, "FSDP2 x1 + TP 2 + PP 2 (Interleaved1F1B v2, 4 mb) + AC full",
+                          "pipeline: Interleaved1F1B, 4 stages of 4 blocks [1, 1, 1, 1], 4 micro-batches"),
     "cp": ("tiny", 2, 1, "FSDP2 x1 + CP 2", "context_parallel: cp=2"),
     "tp-cp-selective": ("tiny", 4, 1, "FSDP2 x1 + TP 2 + CP 2 + AC selective", "context_parallel: cp=2"),
     "ep": ("tiny-moe", 2, 1, "FSDP2 x2 + EP 2", "expert_parallel: ep=2"),
@@ -82,11 +85,11 @@ def test_the_runs_cover_every_class_the_planner_offers():
     tested = set()
     for model, gpus, nodes, name, _ in RUNS.values():
         shape = shape_of(config_for(model, {"vocab_size": 257}), 64)
-        plan = make_plan(shape, Workload(64, 16, 2, "fp32"), Cluster("cpu", gpus, nodes, 1.0))
+        plan = make_plan(shape, Workload(64, GLOBAL_BATCH, 2, "fp32"), Cluster("cpu", gpus, nodes, 1.0))
         tested.add(_kind(find_candidate(plan, name).layout))
     for model, gpus, nodes, *_ in RUNS.values():
         shape = shape_of(config_for(model, {"vocab_size": 257}), 64)
-        for layout, _, ok in candidate_layouts(shape, Cluster("cpu", gpus, nodes, 1.0), Workload(64, 16, 2, "fp32")):
+        for layout, _, ok in candidate_layouts(shape, Cluster("cpu", gpus, nodes, 1.0), Workload(64, GLOBAL_BATCH, 2, "fp32")):
             assert not ok or _kind(layout) in tested, f"{layout.name}: a class no run below fits"
 
 
@@ -106,19 +109,19 @@ def test_strategy_and_plan_read_one_schedule_from_the_yaml(tmp_path, capsys, nam
     # the plan of the YAML's layout is the one the table printed for it
     model, gpus, nodes, *_ = RUNS[name]
     shape = shape_of(config_for(model, {"vocab_size": 257}), 64)
-    workload, cluster = Workload(64, 16, 2, "fp32"), Cluster("cpu", gpus, nodes, 1.0)
+    workload, cluster = Workload(64, GLOBAL_BATCH, 2, "fp32"), Cluster("cpu", gpus, nodes, 1.0)
     printed = find_candidate(make_plan(shape, workload, cluster), layout.name)
     assert memory_per_gpu(shape, layout, workload, cluster) == printed.memory
 
 
 def test_every_written_pipeline_carries_its_schedule(capsys):
     shape = shape_of(config_for("tiny", {"vocab_size": 257}), 64)
-    plan = make_plan(shape, Workload(64, 16, 2, "fp32"), Cluster("cpu", 2, 2, 1.0))
+    plan = make_plan(shape, Workload(64, GLOBAL_BATCH, 2, "fp32"), Cluster("cpu", 2, 2, 1.0))
     for c in plan.candidates:
         if c.layout.pp > 1 and c.recommendable:
             init = config_dict(plan, "tiny", {}, c)["trainer"]["strategy"]["init_args"]
             assert init["pp_schedule"] == c.layout.pipeline.schedule
-            assert init["pp_microbatches"] == c.layout.microbatches == 8  # 16 / (2 per micro-batch x dp 1)
+            assert init["pp_microbatches"] == c.layout.microbatches == GLOBAL_BATCH // 2  # 2 per micro-batch, dp 1
 
 
 def test_a_layout_that_cannot_run_is_not_written(tmp_path, capsys):
