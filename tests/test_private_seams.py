@@ -47,9 +47,20 @@ def _root() -> Path:
     return Path(importlib.import_module(PKG).__file__).parent
 
 
+_PARSED: dict[tuple[Path, str], ast.Module] = {}
+
+
+def _parse(path: Path) -> ast.Module:
+    """A source file's tree, parsed once per content (each test here scans the whole package; the
+    trees are only read)."""
+    text = path.read_text()
+    if (path, text) not in _PARSED:
+        _PARSED[path, text] = ast.parse(text, filename=str(path))
+    return _PARSED[path, text]
+
+
 def _files() -> dict[Path, ast.Module]:
-    root = _root()
-    return {p: ast.parse(p.read_text(), filename=str(p)) for p in sorted(root.rglob("*.py"))}
+    return {p: _parse(p) for p in sorted(_root().rglob("*.py"))}
 
 
 def _module_name(path: Path) -> str:
