@@ -7,8 +7,9 @@
 
     python benchmarks/bench_suite_time.py exits [--repeats 5]
         A fresh interpreter that imports ``lightning_disttrain.cli`` (with tests/startup) and exits,
-        as it is, and with ``gc.freeze()`` as its last act (what tests/startup does for the suite's
-        own scripts): the whole process's user+sys CPU (``os.wait4``), alternated, median and spread.
+        as it is, and with ``gc.freeze()`` as its script's last line (tests/startup does it in the
+        last atexit handler of the suite's own scripts; this process has no other handler of note):
+        the whole process's user+sys CPU (``os.wait4``), alternated, median and spread.
 
     python benchmarks/bench_suite_time.py suite [-- PYTEST ARGS]
         Runs ``python -m pytest -q`` (the README's command; extra arguments after ``--``) with every

@@ -4,8 +4,8 @@ The recipe of the ``fit`` YAML that benchmark writes, by hand: ``lightning_distt
 built from a ``GPTConfig`` (the ``tiny`` preset, the byte tokenizer's 257 tokens), the token
 shards that ``TokenDataModule`` reads (their paths given on the command line, prepared once by
 the benchmark) in the same sample order (its ``TokenWindows`` / ``GlobalSampleSampler``, seed
-1337), AdamW with weight decay on 2-D weights only (foreach, as ``lightning_disttrain.optim``
-builds it on the CPU), linear warmup then cosine to 10% stepped every optimizer step, gradient
+1337), AdamW with weight decay on 2-D weights only (fused, as ``lightning_disttrain.optim``
+builds it), linear warmup then cosine to 10% stepped every optimizer step, gradient
 clipping at 1.0, the loss every 10 steps to a CSV file, validation every ``--val-every`` steps
 on the first ``--val-batches`` batches of the validation split, and one checkpoint (model,
 optimizer, scheduler, step) with ``torch.save`` at the end.

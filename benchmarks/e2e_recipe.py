@@ -41,14 +41,15 @@ def lr_lambda(warmup: int, total: int, min_ratio: float = 0.1):
 
 
 def optimizer_and_schedule(parameters, lr: float, weight_decay: float, warmup: int, steps: int):
-    """AdamW (betas 0.9/0.95, weight decay on 2-D weights only, foreach as ``lightning_disttrain.optim``
-    builds it on the CPU) and its ``lr_lambda`` schedule, stepped every optimizer step."""
+    """AdamW (betas 0.9/0.95, weight decay on 2-D weights only, fused as ``lightning_disttrain.optim``
+    builds it on CPU and CUDA since 2026-12-04; foreach before) and its ``lr_lambda`` schedule,
+    stepped every optimizer step."""
     import torch
 
     params = [p for p in parameters if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, steps))
 
 

@@ -18,6 +18,7 @@ for ``_distributed_is_initialized``, ``LightningOptimizer.optimizer``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 CHECKED_VERSIONS = "lightning 2.6.x, jsonargparse 4.53"
@@ -203,6 +204,27 @@ def install_clip_grad_by_norm(precision_plugin: Any, clip: Callable[[Any, float]
     so overriding the method on the instance keeps autocast/scaler and swaps only the norm."""
     _require(precision_plugin, "clip_grad_by_norm", "Lightning's norm clipping")
     precision_plugin.clip_grad_by_norm = clip
+
+
+def clip_fused_optimizers_under_bf16_mixed(precision_plugin: Any) -> None:
+    """Let bf16-mixed clip the gradients of a fused optimizer (this package's AdamW, on CUDA and CPU).
+
+    Lightning's ``MixedPrecision.clip_gradients`` refuses any optimizer that "performs unscaling of
+    gradients internally" (fused AdamW declares it can), since with a ``GradScaler`` the gradients
+    would still be scaled when clipped. Under bf16-mixed there is no scaler (``scaler is None``):
+    the gradients are never scaled, and the refusal only stopped ``gradient_clip_val`` with the
+    fused AdamW (on CUDA since the package existed: every bf16-mixed config with clipping would
+    have failed at its first step on a GPU). The instance's ``clip_gradients`` becomes the base
+    ``Precision.clip_gradients`` (the same ``clip_val <= 0`` return and value/norm dispatch, minus
+    that check). Only Lightning's own ``MixedPrecision.clip_gradients`` is replaced (a subclass's
+    own method is left alone), and only without a scaler: with one (16-mixed, which this package's
+    strategies refuse anyway) Lightning's check stays. Public Lightning API, but an instance
+    override like ``install_clip_grad_by_norm``: kept here with the other seams."""
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    if (isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is None
+            and type(precision_plugin).clip_gradients is MixedPrecision.clip_gradients):
+        precision_plugin.clip_gradients = functools.partial(Precision.clip_gradients, precision_plugin)
 
 
 # -- ModelCheckpoint --------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from lightning_disttrain.models.hf import load_hf_weights_
 from lightning_disttrain.models.hf_config import check_compatible, config_from_hf_dir
 from lightning_disttrain.models.moe import moe_layers, update_moe_biases
 from lightning_disttrain.optim import SCHEDULES, build_optimizer, build_scheduler
-from lightning_disttrain.parallel.fsdp import clip_fused_optimizers_under_bf16_mixed
 from lightning_disttrain.parallel.materialize import has_meta_tensors
 from lightning_disttrain.parallel.pipeline import PipelinePlan
 from lightning_disttrain.parallel.plan import ParallelPlan
@@ -470,9 +469,11 @@ class GPTModule(L.LightningModule):
         scheduler = build_scheduler(optimizer, schedule=hp.schedule, warmup_steps=hp.warmup_steps,
                                     total_steps=total, min_lr_ratio=hp.min_lr_ratio,
                                     decay_fraction=hp.decay_fraction)
-        # The AdamW is fused; under bf16-mixed Lightning's plugin would refuse to clip it under any
+        # The AdamW is fused; under bf16-mixed Lightning's plugin would refuse to clip it, under any
         # strategy (this package's strategies do the same for every module).
-        clip_fused_optimizers_under_bf16_mixed(self.trainer.precision_plugin)
+        trainer = compat.trainer_of(self)
+        if trainer is not None:
+            compat.clip_fused_optimizers_under_bf16_mixed(trainer.precision_plugin)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

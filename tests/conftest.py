@@ -35,7 +35,7 @@ torch.set_num_threads(int(os.environ.get("LDT_TEST_THREADS", "1")))
 # ---- one launch per world size for the multi-rank training runs ----------------------------
 # A test module declares ``WORKER`` (the worker module's name) and ``LAUNCH = {devices: [run, ...]}``;
 # its fixtures ask ``launched(WORKER, devices)`` for ``{run: [rank results]}``. ``multi_worker.py``
-# starts per world size with the runs of every *selected* module that needs that size (running
+# starts per world size with the runs of every module whose launch a *selected* test reads (running
 # one test file launches only its own runs), in sets of ``_RUNS_PER_PROCESS`` runs per set of rank
 # processes, so the suite pays Python's and Lightning's start-up once per set instead of once per
 # run (and not the idle process groups of a whole launch's runs: see ``_RUNS_PER_PROCESS``).

@@ -2,7 +2,7 @@
 Lightning's mixed-precision plugin refuses to clip an optimizer that "performs unscaling of gradients
 internally", which only matters with a GradScaler; under bf16-mixed there is none. Under any
 strategy for ``GPTModule`` (here Lightning's own, one process), and under this package's strategies for
-any module (tests/strategies: ``fsdp2_bf16`` on 2 ranks)."""
+any module (their mesh-aware clipping installs it; ``fsdp2_bf16`` trains that way on 2 ranks)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_disttrain import GPTModule
-from lightning_disttrain.parallel.fsdp import clip_fused_optimizers_under_bf16_mixed
+from lightning_disttrain._lightning_compat import clip_fused_optimizers_under_bf16_mixed
+from lightning_disttrain.parallel.fsdp import install_mesh_aware_clipping
 
 
 def _fused_adamw_with_grads(scale: float = 100.0):
@@ -32,6 +33,30 @@ def test_bf16_mixed_clips_a_fused_optimizer_by_the_norm():
     plugin.clip_gradients(optimizer, clip_val=1.0)
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in layer.parameters()]))
     assert norm == pytest.approx(1.0, rel=1e-4)
+
+
+def test_the_strategies_clipping_installs_it_for_any_module():
+    # what NDParallelStrategy does to the Trainer's plugin, whatever the LightningModule
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    layer, optimizer = _fused_adamw_with_grads()
+    install_mesh_aware_clipping(plugin)
+    plugin.clip_gradients(optimizer, clip_val=1.0)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in layer.parameters()]))
+    assert norm == pytest.approx(1.0, rel=1e-4)
+
+
+def test_a_subclass_with_its_own_clipping_keeps_it():
+    class Logged(MixedPrecision):
+        calls = 0
+
+        def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None):
+            Logged.calls += 1
+
+    plugin = Logged("bf16-mixed", "cpu")
+    _, optimizer = _fused_adamw_with_grads()
+    clip_fused_optimizers_under_bf16_mixed(plugin)
+    plugin.clip_gradients(optimizer, clip_val=1.0)
+    assert Logged.calls == 1
 
 
 def test_a_plugin_with_a_grad_scaler_keeps_lightnings_refusal():

@@ -7,7 +7,6 @@ Lightning's clipping hook.
 
 from __future__ import annotations
 
-import functools
 import re
 import warnings
 from collections.abc import Iterable
@@ -323,20 +322,4 @@ def install_mesh_aware_clipping(precision_plugin: Any, pp_mesh=None) -> None:
         clip_grad_norm_(precision_plugin.main_params(optimizer), clip_val, pp_mesh=pp_mesh)
 
     compat.install_clip_grad_by_norm(precision_plugin, clip_grad_by_norm)
-    clip_fused_optimizers_under_bf16_mixed(precision_plugin)
-
-
-def clip_fused_optimizers_under_bf16_mixed(precision_plugin: Any) -> None:
-    """Let bf16-mixed clip the gradients of a fused optimizer (this package's AdamW on CUDA and CPU).
-
-    Lightning's ``MixedPrecision.clip_gradients`` refuses any optimizer that "performs unscaling of
-    gradients internally" (fused AdamW declares it can), since with a ``GradScaler`` the gradients
-    would still be scaled when clipped. Under bf16-mixed there is no scaler (``scaler is None``):
-    the gradients are never scaled, and the refusal only stopped ``gradient_clip_val`` with the
-    fused AdamW (on CUDA since the package existed: every bf16-mixed config with clipping would
-    have failed at its first step on a GPU). With a scaler (16-mixed, which this package's strategy
-    refuses anyway) Lightning's check stays."""
-    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-
-    if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is None:
-        precision_plugin.clip_gradients = functools.partial(Precision.clip_gradients, precision_plugin)
+    compat.clip_fused_optimizers_under_bf16_mixed(precision_plugin)

@@ -297,8 +297,8 @@ _FT_LOCAL_ARGS = {
 def _ft_local_runs(tmp_path_factory) -> dict:
     """The two real ft-local runs of the shipped config (min_replicas 2, so that the groups start
     together whatever the order they reach the lighthouse in: with 1, a group launched a moment
-    earlier may finish 4 tiny steps alone before the other arrives, seen once in the suite):
-    {name: (directory, rc, out)}."""
+    earlier may finish 4 tiny steps alone before the other arrives, seen once in the suite), in a
+    background thread beside the other slow tests (tests/conftest.py): {name: (directory, rc, out)}."""
     import yaml
 
     from dist_utils import _env
@@ -319,11 +319,12 @@ def _ft_local_runs(tmp_path_factory) -> dict:
     return runs
 
 
+BACKGROUND = {"ft_local": _ft_local_runs}
+
+
 @pytest.fixture(scope="module")
-def ft_local(tmp_path_factory):
-    # In the foreground, among the other own-process tests: in tests/conftest.py's background lane it
-    # made that lane outlast them by ~80 s (docs/benchmarks.md section 26).
-    return _ft_local_runs(tmp_path_factory)
+def ft_local(background):
+    return background(__name__, "ft_local")
 
 
 @pytest.mark.slow
