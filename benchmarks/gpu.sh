@@ -19,7 +19,9 @@
 #     fp8           ~150 s   gpt2-774m: bf16, float8 tensorwise, float8 rowwise (~50 s each, mostly
 #                            compile): speedup, per-step losses and their max / mean gap
 #     fp8_wide      ~120 s   the same on 4 blocks of Llama-3-8B's width (d 4096, SwiGLU 14336)
-#   gpu_paths.py (gets what is left, at least 170 s; writes $OUT/gpu_paths.json after every section):
+#   gpu_paths.py (gets what is left, at least 170 s; writes $OUT/gpu_paths.json after every section;
+#                 every Trainer there is bf16-mixed with gradient_clip_val 1.0 and the fused AdamW,
+#                 as the shipped configs run: a path the first GPU run never took):
 #     sac            ~30 s   attention forward kernels per block in backward (flash / cuDNN /
 #                            efficient SDPA) for none / selective / full, memory and time (eager)
 #     sac_compiled   ~60 s   the same with each block compiled, flash only

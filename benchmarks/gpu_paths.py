@@ -88,7 +88,11 @@ class Shape:
 
 
 def _trainer(device: torch.device, strategy, max_steps: int, callbacks=()) -> L.Trainer:
+    # Clipping as the shipped configs do: on CUDA that is bf16-mixed clipping the fused AdamW (which
+    # Lightning's plugin refused until 2026-12-04, unseen by the first GPU run) and, in cpu_offload,
+    # the fused AdamW and the norm on CPU-offloaded DTensors of a CUDA mesh.
     return L.Trainer(accelerator=device.type, devices=1, strategy=strategy, max_steps=max_steps,
+                     gradient_clip_val=1.0,
                      precision="bf16-mixed" if device.type == "cuda" else "32-true", logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      num_sanity_val_steps=0, callbacks=list(callbacks))
