@@ -196,6 +196,8 @@ def _background_launches(tmp_path_factory):
     def run_all() -> None:
         dist_utils.background_env.base = _SESSION_ENV
         for devices in sorted(_NEEDED):
+            if devices == max(_NEEDED) and len(_NEEDED) > 1 and _BACKGROUND_NEEDED:
+                _start_background_jobs(tmp_path_factory)  # beside the last launch (see BACKGROUND below)
             _LAUNCHES[devices].run(tmp_path_factory, devices, _NEEDED[devices])
 
     thread = threading.Thread(target=run_all, name="ldt-launches", daemon=True)
@@ -211,9 +213,10 @@ def _background_launches(tmp_path_factory):
 # of two busy (start-ups, waits on signals, peers and timeouts: measured 0.7-1.3 cores over the
 # ~450 s they took, docs/benchmarks.md section 25). A module may declare
 # ``BACKGROUND = {"fixture": function(tmp_path_factory) -> value}`` for its expensive module-scoped
-# multi-process fixtures: they start, one after another in a thread, when the first test of order 2
-# runs (after every shared launch: started any earlier, beside the launches, they slowed the
-# launches more than they gained, even at nice 10; section 25), and their tests come last (order 3),
+# multi-process fixtures: they start, one after another in a thread, when the last shared launch (8
+# ranks) starts, or else when the first test of order 2 runs. Beside the 8-rank launch they cost it
+# 3-5 s and gained ~50 s (docs/benchmarks.md section 26); started any earlier, beside the 4-rank
+# launch, they slowed it more than they gained, even at nice 10 (section 25). Their tests come last (order 3),
 # reading the value with ``background(__name__, "fixture")``. A function runs in that thread: it must not touch
 # ``os.environ`` (its processes start from the session's environment: ``dist_utils.background_env``)
 # nor pytest's per-test state, and it reports warnings by returning them.
