@@ -64,18 +64,31 @@ def _one_import(startup: bool) -> tuple[float, float]:
     return time.perf_counter() - start, float(out.stdout.split()[-1])
 
 
-def imports(repeats: int) -> None:
+def _alternated(measure, repeats: int) -> dict[bool, list]:
+    """``measure(False)`` and ``measure(True)`` alternated ``repeats`` times (each pair side by side)."""
     rows = {False: [], True: []}
     for _ in range(repeats):
-        for startup in (False, True):
-            rows[startup].append(_one_import(startup))
+        for arm in (False, True):
+            rows[arm].append(measure(arm))
+    return rows
+
+
+def _spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):5.2f} s  [{min(values):.2f}-{max(values):.2f}]"
+
+
+def _saved(before: list[float], after: list[float]) -> None:
+    saved = [a - b for a, b in zip(before, after)]
+    print(f"  cpu saved per process (pairs): median {statistics.median(saved):.2f} s [{min(saved):.2f}-{max(saved):.2f}]")
+
+
+def imports(repeats: int) -> None:
+    rows = _alternated(_one_import, repeats)
     print(f"import lightning_disttrain.cli, fresh interpreter, {repeats} alternated repeats ({sys.executable})")
     for startup, label in ((False, "as installed"), (True, "tests/startup")):
         wall, cpu = zip(*rows[startup])
-        print(f"  {label:14s} wall median {statistics.median(wall):5.2f} s  [{min(wall):.2f}-{max(wall):.2f}]"
-              f"   cpu median {statistics.median(cpu):5.2f} s  [{min(cpu):.2f}-{max(cpu):.2f}]")
-    saved = [a[1] - b[1] for a, b in zip(rows[False], rows[True])]
-    print(f"  cpu saved per process (pairs): median {statistics.median(saved):.2f} s [{min(saved):.2f}-{max(saved):.2f}]")
+        print(f"  {label:14s} wall {_spread(wall)}   cpu {_spread(cpu)}")
+    _saved([c for _, c in rows[False]], [c for _, c in rows[True]])
 
 
 def _one_exit(freeze: bool) -> float:
@@ -88,16 +101,11 @@ def _one_exit(freeze: bool) -> float:
 
 
 def exits(repeats: int) -> None:
-    rows = {False: [], True: []}
-    for _ in range(repeats):
-        for freeze in (False, True):
-            rows[freeze].append(_one_exit(freeze))
+    rows = _alternated(_one_exit, repeats)
     print(f"import lightning_disttrain.cli and exit, whole process CPU, {repeats} alternated repeats ({sys.executable})")
     for freeze, label in ((False, "as it is"), (True, "gc.freeze() last")):
-        print(f"  {label:16s} cpu median {statistics.median(rows[freeze]):5.2f} s  "
-              f"[{min(rows[freeze]):.2f}-{max(rows[freeze]):.2f}]")
-    saved = [a - b for a, b in zip(rows[False], rows[True])]
-    print(f"  cpu saved per process (pairs): median {statistics.median(saved):.2f} s [{min(saved):.2f}-{max(saved):.2f}]")
+        print(f"  {label:16s} cpu {_spread(rows[freeze])}")
+    _saved(rows[False], rows[True])
 
 
 def suite(pytest_args: list[str]) -> None:

@@ -95,7 +95,7 @@ def _split_decay(named: Iterable[tuple[str, nn.Parameter]]) -> tuple[list, list]
     return decay, no_decay
 
 
-_FUSED_DEVICES = ("cuda", "cpu")
+_FUSED_DEVICES = frozenset({"cuda", "cpu"})
 
 
 def _fused_ok(params: list[torch.Tensor]) -> bool:
@@ -106,7 +106,7 @@ def _fused_ok(params: list[torch.Tensor]) -> bool:
     later steps 8.5 against 19.7 ms: docs/benchmarks.md section 26). The tests, which run on CPU,
     so exercise the optimizer a GPU run uses."""
     kinds = {p.device.type for p in params}
-    return len(kinds) == 1 and kinds <= set(_FUSED_DEVICES)
+    return len(kinds) == 1 and kinds <= _FUSED_DEVICES
 
 
 def build_adamw(named: list[tuple[str, nn.Parameter]], lr: float, weight_decay: float,

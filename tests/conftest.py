@@ -215,7 +215,7 @@ def _background_launches(tmp_path_factory):
 # ``BACKGROUND = {"fixture": function(tmp_path_factory) -> value}`` for its expensive module-scoped
 # multi-process fixtures: they start, one after another in a thread, when the last shared launch (8
 # ranks) starts, or else when the first test of order 2 runs. Beside the 8-rank launch they cost it
-# 3-5 s and gained ~50 s (docs/benchmarks.md section 26); started any earlier, beside the 4-rank
+# 3-12 s and start ~50 s earlier (docs/benchmarks.md section 26); started any earlier, beside the 4-rank
 # launch, they slowed it more than they gained, even at nice 10 (section 25). Their tests come last (order 3),
 # reading the value with ``background(__name__, "fixture")``. A function runs in that thread: it must not touch
 # ``os.environ`` (its processes start from the session's environment: ``dist_utils.background_env``)
