@@ -322,11 +322,59 @@ def plan_figure(shape: Shape, device: torch.device) -> tuple[list[str], dict[str
     return argv, layouts[0]
 
 
+class MemoryPhases(L.Callback):
+    """GPU memory per phase of each step after the first (when the optimizer state exists), so that
+    the plan's terms can be checked one by one: ``state`` allocated when the batch starts
+    (parameters + optimizer state; the gradients were freed by ``zero_grad``), ``forward`` allocated
+    when backward starts minus ``state`` (what the forward keeps for backward, logits and loss
+    included), ``grads`` allocated after backward minus ``state`` (the gradients and whatever backward
+    left), ``peak_forward`` / ``peak_step`` the allocator's peak within the forward / the whole step
+    minus ``state``. CUDA only (read from the caching allocator); GB."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+        # The run's peaks before each reset, so that the whole run's peak (what Record reads at the
+        # end, since its own reset) survives the per-step resets.
+        self.peak_alloc = self.peak_reserved = 0.0
+
+    @staticmethod
+    def _now(device) -> tuple[float, float]:
+        return torch.cuda.memory_allocated(device) / 1e9, torch.cuda.max_memory_allocated(device) / 1e9
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if pl_module.device.type == "cuda" and trainer.global_step >= 1:
+            torch.cuda.synchronize(pl_module.device)
+            self.peak_alloc = max(self.peak_alloc, torch.cuda.max_memory_allocated(pl_module.device) / 1e9)
+            self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved(pl_module.device) / 1e9)
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+            self._row = {"state": self._now(pl_module.device)[0]}
+        else:
+            self._row = None
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self._row is not None:
+            alloc, peak = self._now(pl_module.device)
+            self._row |= {"forward": alloc - self._row["state"], "peak_forward": peak - self._row["state"]}
+
+    def on_after_backward(self, trainer, pl_module):
+        if self._row is not None:
+            self._row["grads"] = self._now(pl_module.device)[0] - self._row["state"]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._row is not None:
+            torch.cuda.synchronize(pl_module.device)
+            self._row["peak_step"] = self._now(pl_module.device)[1] - self._row["state"]
+            self.rows.append(self._row)
+
+
 def plan_memory(shape: Shape, device: torch.device, steps: int) -> dict[str, Any]:
     from lightning_disttrain.planning.memory import GPU_RESERVED
 
     argv, layout = plan_figure(shape, device)
-    r = _fit(shape, device, steps, strategy="fsdp2")
+    phases = MemoryPhases()
+    r = _fit(shape, device, steps, strategy="fsdp2", callbacks=[phases])
+    if device.type == "cuda":  # the whole run's peaks: before the per-step resets, and after the last
+        r.peak_alloc, r.peak_reserved = max(r.peak_alloc, phases.peak_alloc), max(r.peak_reserved, phases.peak_reserved)
     plan_gb = layout["memory_gb"]
     out = {"model": shape.preset, "seq": shape.seq, "micro_batch": shape.batch, "steps": steps,
            "plan_command": "lightning-disttrain plan " + " ".join(argv), "plan_layout": layout["name"],
@@ -338,7 +386,19 @@ def plan_memory(shape: Shape, device: torch.device, steps: int) -> dict[str, Any
         allocator_part = plan_gb["total"] - GPU_RESERVED / 1e9
         out |= {"plan_allocator_part_gb": allocator_part,
                 "measured_over_plan": (r.peak_alloc - r.leftover_gb) / allocator_part,
-                "reserved_over_plan": r.peak_reserved / allocator_part}
+                "reserved_over_plan": r.peak_reserved / allocator_part,
+                "phases_gb": phases.rows}
+        if phases.rows:
+            last = phases.rows[-1]
+            # Term by term (the last step): the plan's state (parameters + gradients + optimizer)
+            # against the state measured plus the gradients after backward; its activations + logits
+            # against what the forward kept; its buffers (transients) against the rest of the peak.
+            out["terms_gb"] = {
+                "state": {"plan": plan_gb["state"], "measured": last["state"] - r.leftover_gb + last["grads"]},
+                "activations+logits": {"plan": plan_gb["activations"] + plan_gb["logits"],
+                                       "measured": last["forward"]},
+                "buffers": {"plan": plan_gb["buffers"],
+                            "measured": last["peak_step"] - last["forward"] - last["grads"]}}
     else:
         out["measured"] = "not on CPU: no caching allocator to read (plan figure only)"
     return out
