@@ -29,9 +29,10 @@
 #     cpu_offload    ~35 s   cpu_offload=True steps: losses vs no offload, GPU memory
 #     async_save     ~35 s   async save (pinned staging): training stall vs sync save
 #     init_broadcast ~15 s   real weights built in __init__ under fsdp2 (NCCL staging path)
-#     plan_memory    ~25 s   gpt2-124m peak memory under fsdp2 vs `lightning-disttrain plan`
-# Total ~590 s estimated (measured on one H200, 2026-12-04, before fp8_wide and sac_compiled: all
-# parts 204 s, so the estimates are high). LDT_GPU_DEADLINE (exported below) lets each script skip, and name in its
+#     plan_memory    ~25 s   gpt2-124m peak memory under fsdp2 vs `lightning-disttrain plan`, per phase
+#     plan_memory_llama ~30 s  the same for 4 blocks of Llama-3-8B (128k vocabulary)
+# Total ~620 s estimated; measured on one H200 (2026-12-04): all parts 204 s before fp8_wide and
+# sac_compiled, 303 s with them (every section passed), so the estimates are high. LDT_GPU_DEADLINE (exported below) lets each script skip, and name in its
 # JSON, a section that no longer fits instead of being killed in it; the timeouts are the backstop.
 #
 # At the end gpu_report.py merges every JSON into $OUT/gpu_report.json (one file, every figure).
@@ -56,7 +57,7 @@
 #       --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0 jsonargparse==4.53.0 \
 #       docstring-parser typeshed-client
 # and carry ".whl" (4.4 MB). Without torchao the fp8 sections are skipped, the others still run.
-# The whole run there took 204 s (2026-12-04, before fp8_wide and sac_compiled were added).
+# The whole run there took 204 s (2026-12-04 12:20 UTC), then 303 s with every section (17:35 UTC).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -25,7 +25,10 @@ of its 440 s; a section that no longer fits is skipped and named in the JSON):
    ``broadcast_module_`` itself on the 1-rank NCCL group (``comm.broadcast`` stages each host tensor
    on the GPU): the host -> GPU staging and copy back (a broadcast between two ranks needs two GPUs).
 6. ``plan_memory`` (~25 s): peak GPU memory of ``gpt2-124m`` (seq 1024, micro-batch 8, bf16-mixed,
-   eager) under ``fsdp2`` against ``lightning-disttrain plan --json``'s figure for that layout.
+   eager) under ``fsdp2`` against ``lightning-disttrain plan --json``'s figure for that layout, and
+   the memory of each phase of a step (``MemoryPhases``) against the plan's terms.
+   ``plan_memory_llama`` (~30 s): the same for 4 blocks of Llama-3-8B (128k vocabulary, untied head,
+   SwiGLU, GQA, RoPE), micro-batch 2.
 
 On CPU (``--smoke``: gloo, the ``tiny`` model, seq 64) every section runs the same code except:
 ``meta_init`` takes the materialise-then-shard path (DTensor's RNG needs a CUDA-like mesh),
@@ -75,9 +78,26 @@ except ImportError:
 class Shape:
     def __init__(self, smoke: bool) -> None:
         self.preset, self.vocab, self.seq, self.batch = ("tiny", 257, 64, 2) if smoke else ("gpt2-124m", None, 1024, 8)
-        self.smoke = smoke
+        self.smoke, self.overrides = smoke, {}
+
+    @classmethod
+    def llama(cls, smoke: bool) -> "Shape":
+        """Llama-3-8B's blocks, 4 of them (2 in --smoke, at the tiny width), its 128k vocabulary (so the
+        logits weigh), untied head, SwiGLU, GQA, RoPE: the planner's terms on a second kind of model."""
+        shape = cls(smoke)
+        shape.preset, shape.vocab, shape.batch = "llama3-8b", None, 2
+        shape.overrides = {"n_layer": 4}
+        if smoke:
+            shape.overrides = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "mlp_hidden": 128,
+                               "vocab_size": 1000}
+        return shape
 
     def module(self, cls=GPTModule) -> GPTModule:
+        if self.overrides:
+            from lightning_disttrain.planning.model_shape import config_for
+
+            config = config_for(self.preset, {**self.overrides, "block_size": self.seq})
+            return cls(config, warmup_steps=0)
         return cls(self.preset, vocab_size=self.vocab, model_overrides={"block_size": self.seq}, warmup_steps=0)
 
     def loader(self, vocab_size: int, steps: int, device: torch.device) -> DataLoader:
@@ -313,6 +333,8 @@ def plan_figure(shape: Shape, device: torch.device) -> tuple[list[str], dict[str
             "--precision", "bf16" if device.type == "cuda" else "fp32", "--json"]
     if shape.vocab:
         argv += ["--override", f"vocab_size={shape.vocab}"]
+    for field, value in shape.overrides.items():
+        argv += ["--override", f"{field}={value}"]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         plan_main(argv)
@@ -325,11 +347,12 @@ def plan_figure(shape: Shape, device: torch.device) -> tuple[list[str], dict[str
 class MemoryPhases(L.Callback):
     """GPU memory per phase of each step after the first (when the optimizer state exists), so that
     the plan's terms can be checked one by one: ``state`` allocated when the batch starts
-    (parameters + optimizer state; the gradients were freed by ``zero_grad``), ``forward`` allocated
-    when backward starts minus ``state`` (what the forward keeps for backward, logits and loss
-    included), ``grads`` allocated after backward minus ``state`` (the gradients and whatever backward
-    left), ``peak_forward`` / ``peak_step`` the allocator's peak within the forward / the whole step
-    minus ``state``. CUDA only (read from the caching allocator); GB."""
+    (parameters, gradients and optimizer state: Lightning zeroes the gradients inside the next
+    step's closure, so the last step's are still held), ``forward`` allocated when backward starts
+    minus ``state`` (what the forward keeps for backward, the loss's included), ``grads`` allocated
+    after backward minus ``state`` (~0 once the gradients exist: backward refills them),
+    ``peak_forward`` / ``peak_step`` the allocator's peak within the forward / the whole step minus
+    ``state``. CUDA only (read from the caching allocator); GB."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
@@ -376,7 +399,7 @@ def plan_memory(shape: Shape, device: torch.device, steps: int) -> dict[str, Any
     if device.type == "cuda":  # the whole run's peaks: before the per-step resets, and after the last
         r.peak_alloc, r.peak_reserved = max(r.peak_alloc, phases.peak_alloc), max(r.peak_reserved, phases.peak_reserved)
     plan_gb = layout["memory_gb"]
-    out = {"model": shape.preset, "seq": shape.seq, "micro_batch": shape.batch, "steps": steps,
+    out = {"model": shape.preset, "overrides": shape.overrides, "seq": shape.seq, "micro_batch": shape.batch, "steps": steps,
            "plan_command": "lightning-disttrain plan " + " ".join(argv), "plan_layout": layout["name"],
            "plan_gb": plan_gb, "measured_peak_alloc_gb": r.peak_alloc, "measured_peak_reserved_gb": r.peak_reserved,
            "allocated_before_build_gb": r.leftover_gb}  # held by earlier sections: ~0 expected
@@ -391,14 +414,14 @@ def plan_memory(shape: Shape, device: torch.device, steps: int) -> dict[str, Any
         if phases.rows:
             last = phases.rows[-1]
             # Term by term (the last step): the plan's state (parameters + gradients + optimizer)
-            # against the state measured plus the gradients after backward; its activations + logits
-            # against what the forward kept; its buffers (transients) against the rest of the peak.
+            # against what is held when a step starts; its activations + logits + buffers (without
+            # the CUDA allowance, which the allocator never sees) against the step's peak above that.
             out["terms_gb"] = {
-                "state": {"plan": plan_gb["state"], "measured": last["state"] - r.leftover_gb + last["grads"]},
-                "activations+logits": {"plan": plan_gb["activations"] + plan_gb["logits"],
-                                       "measured": last["forward"]},
-                "buffers": {"plan": plan_gb["buffers"],
-                            "measured": last["peak_step"] - last["forward"] - last["grads"]}}
+                "state": {"plan": plan_gb["state"], "measured": last["state"] - r.leftover_gb},
+                "step_peak_above_state": {
+                    "plan": plan_gb["activations"] + plan_gb["logits"] + plan_gb["buffers"] - GPU_RESERVED / 1e9,
+                    "measured": last["peak_step"]},
+                "kept_by_forward": {"measured": last["forward"]}}
     else:
         out["measured"] = "not on CPU: no caching allocator to read (plan figure only)"
     return out
@@ -427,7 +450,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              "cpu_offload": lambda: cpu_offload(shape, device, 5 if not args.smoke else 2),
              "async_save": lambda: async_save(shape, device, max(steps, 7)),
              "init_broadcast": lambda: init_broadcast(shape, device),
-             "plan_memory": lambda: plan_memory(shape, device, 4 if not args.smoke else 2)}
+             "plan_memory": lambda: plan_memory(shape, device, 4 if not args.smoke else 2),
+             "plan_memory_llama": lambda: plan_memory(Shape.llama(args.smoke), device, 4 if not args.smoke else 2)}
     for name, estimate_s in SECTIONS.items():
         if name in args.sections:
             result = report.run(name, estimate_s, calls[name])
@@ -439,7 +463,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report.data
 
 
-SECTIONS = {"sac": 30, "sac_compiled": 60, "meta_init": 20, "cpu_offload": 35, "async_save": 35, "init_broadcast": 15, "plan_memory": 25}
+SECTIONS = {"sac": 30, "sac_compiled": 60, "meta_init": 20, "cpu_offload": 35, "async_save": 35, "init_broadcast": 15, "plan_memory": 25,
+            "plan_memory_llama": 30}
 """Section -> estimated seconds on one H200 (the time budget skips a section that would not fit)."""
 
 

@@ -37,10 +37,17 @@ matmul outputs and recomputes the rest) the derived terms differ by 20-30%.
 Context parallel divides every per-token term by cp (a rank holds 1/cp of each sequence) and adds
 the gathered keys and values per block (``activations``: measured to the byte on 2 and 4 ranks).
 
-Logits: s*b*V/t elements (the head is vocabulary-parallel under tp, with loss parallel), each
-10 B in 16-bit training (bf16 logits 2 + the fp32 copy the cross-entropy reads 4 + its fp32
-gradient 4) and 12 B in fp32 (logits, log-softmax output, gradient); a pipeline's last stage holding
-n micro-batches' logits (GPipe) keeps n x (10 - 4) or n x (12 - 4) B and one gradient.
+Logits: s*b*V/t elements (the head is vocabulary-parallel under tp, with loss parallel). The loss
+(``GPTModule.loss_fn``: an fp32 log-softmax) keeps its fp32 output for backward (4 B), and its
+backward holds two fp32 gradients beside it, the incoming one and the input's (8 B): 12 B per
+element at the loss's backward in every precision (the forward's end, logits + fp32 copy +
+log-softmax output, is 10 B in 16-bit and 12 B in fp32: never more). Measured: the loss alone on
+CPU, 12.1 B at its backward and 10.2 B at the forward's end in bf16
+(``tests/planning/test_logit_bytes.py``), and gpt2-124m on one H200 (``gpu_paths.py
+plan_memory``, docs/benchmarks.md 9.2). Without a pipeline the logits themselves are freed when
+the training step returns; a pipeline's last stage keeps each micro-batch's stage output (the
+logits, at the compute dtype) until its backward, so holding n micro-batches (GPipe) it keeps
+n x (4 + 2) B in 16-bit or n x (4 + 4) B in fp32, and one micro-batch's 8 B of gradients.
 
 Gradient accumulation (k micro-batches per optimizer step) under FSDP: by default every
 micro-batch reduce-scatters and adds its shard to the parameter's sharded gradient, so nothing
@@ -104,10 +111,14 @@ STATE_BYTES: dict[str, StateBytes] = {
 }
 ACTIVATION_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4, "bf16-pure": 2}
 """Bytes per activation element (fp8 runs keep 16-bit activations between layers)."""
-LOGIT_BYTES = {"bf16": 10, "fp8": 10, "fp32": 12, "bf16-pure": 10}
-LOGIT_GRAD_BYTES = 4
-"""Of LOGIT_BYTES, the fp32 gradient: only one micro-batch's at a time when a pipeline's last stage
-holds several micro-batches' logits (GPipe)."""
+LOGIT_SAVED_BYTES = 4
+"""Per logit element, what each micro-batch's loss keeps for its backward: the fp32 log-softmax output."""
+LOGIT_GRAD_BYTES = 8
+"""Per logit element, the loss's backward: the fp32 gradient it receives and the one it returns, one
+micro-batch's at a time."""
+LOGIT_OUTPUT_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4, "bf16-pure": 2}
+"""The logits themselves (the head's output dtype): held until backward only by a pipeline's last
+stage, which keeps each micro-batch's stage output."""
 REDUCE_BYTES = 4
 """Bytes per element of FSDP's gradient reduction (``mp_policy_for_precision``: fp32 in every precision),
 the dtype unsharded gradients accumulate in when the reduce-scatter is skipped."""
@@ -268,7 +279,8 @@ def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster:
     head = logit_held = 0.0
     if rs.last:
         head = tokens * head_bytes(shape, e, t, cpu)
-        logit_held = tokens * shape.vocab / t * (LOGIT_BYTES[workload.precision] - LOGIT_GRAD_BYTES)
+        output = LOGIT_OUTPUT_BYTES[workload.precision] if layout.pp > 1 else 0
+        logit_held = tokens * shape.vocab / t * (LOGIT_SAVED_BYTES + output)
     logit_grad = tokens * shape.vocab / t * LOGIT_GRAD_BYTES if rs.last else 0.0
     # the forward's end (and the loss's backward): every held micro-batch's blocks, head and logits,
     # one logits gradient; or a recomputed block's backward, the other held micro-batches beside it

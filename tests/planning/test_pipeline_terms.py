@@ -14,7 +14,7 @@ from lightning_disttrain.planning import (
     memory_per_gpu,
 )
 from lightning_disttrain.planning.activations import head_bytes, layer_bytes
-from lightning_disttrain.planning.memory import LOGIT_BYTES
+from lightning_disttrain.planning.memory import LOGIT_GRAD_BYTES, LOGIT_OUTPUT_BYTES, LOGIT_SAVED_BYTES
 from lightning_disttrain.planning.pipeline import (
     bubble,
     inflight,
@@ -120,9 +120,12 @@ def test_1f1b_memory_is_the_first_ranks_by_hand():
     s, e, h = 1024, 4, 1024
     layer = layer_bytes(SHAPE, 0, e=e, cpu=True)
     # rank 0: 2 micro-batches of blocks 0-3 (+ each stage output kept for its send); rank 1: one of
-    # blocks 4-7, the final norm and head input, the logits
+    # blocks 4-7, the final norm and head input, the logits (the stage output, kept until its
+    # backward), the loss's log-softmax output and its backward's two gradients: 4 + 4 + 8 B in fp32
     rank0 = 2 * s * (4 * layer + e * h)
-    rank1 = s * (4 * layer + head_bytes(SHAPE, e, 1, True)) + s * 1024 * LOGIT_BYTES["fp32"]
+    logit = LOGIT_OUTPUT_BYTES["fp32"] + LOGIT_SAVED_BYTES + LOGIT_GRAD_BYTES
+    assert logit == 16
+    rank1 = s * (4 * layer + head_bytes(SHAPE, e, 1, True)) + s * 1024 * logit
     m = _pp_memory("1F1B", 8)
     assert m.rank == 0 and m.activations == pytest.approx(rank0) and m.logits == 0
     assert rank0 > rank1
@@ -137,8 +140,9 @@ def test_gpipe_holds_every_micro_batch_and_its_logits():
     s, e = 1024, 4
     layer = layer_bytes(SHAPE, 0, e=e, cpu=True)
     g = _pp_memory("GPipe", 8)
-    # 8 micro-batches' logits and log-softmax outputs (8 B per element in fp32), one gradient (4 B)
-    last = s * 8 * (4 * layer + head_bytes(SHAPE, e, 1, True)) + s * 1024 * (8 * (LOGIT_BYTES["fp32"] - 4) + 4)
+    # 8 micro-batches' logits and log-softmax outputs (8 B per element in fp32), one backward's
+    # gradients (8 B)
+    last = s * 8 * (4 * layer + head_bytes(SHAPE, e, 1, True)) + s * 1024 * (8 * 8 + 8)
     assert g.rank == 1 and g.activations + g.logits == pytest.approx(last)
     one = _pp_memory("1F1B", 8)
     assert g.activations + g.logits > 3.5 * (one.activations + one.logits)  # 8 micro-batches in flight, not 2
