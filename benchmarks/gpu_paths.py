@@ -29,6 +29,9 @@ of its 440 s; a section that no longer fits is skipped and named in the JSON):
    the memory of each phase of a step (``MemoryPhases``) against the plan's terms.
    ``plan_memory_llama`` (~30 s): the same for 4 blocks of Llama-3-8B (128k vocabulary, untied head,
    SwiGLU, GQA, RoPE), micro-batch 2.
+   ``memory_attribution`` / ``memory_attribution_llama`` (~30 s each): the caching allocator's live
+   blocks when the second step's backward starts, summed by the source line that allocated them
+   (``torch.cuda.memory._record_memory_history`` with Python stacks): what the forward keeps.
 
 On CPU (``--smoke``: gloo, the ``tiny`` model, seq 64) every section runs the same code except:
 ``meta_init`` takes the materialise-then-shard path (DTensor's RNG needs a CUDA-like mesh),
@@ -349,7 +352,9 @@ class MemoryPhases(L.Callback):
     the plan's terms can be checked one by one: ``state`` allocated when the batch starts
     (parameters, gradients and optimizer state: Lightning zeroes the gradients inside the next
     step's closure, so the last step's are still held), ``forward`` allocated when backward starts
-    minus ``state`` (what the forward keeps for backward, the loss's included), ``grads`` allocated
+    minus ``state`` (what the forward keeps for backward, the loss's included, less the gradients
+    Lightning's ``zero_grad`` frees after the forward: ``before_zero_grad`` is the level before
+    that), ``grads`` allocated
     after backward minus ``state`` (~0 once the gradients exist: backward refills them),
     ``peak_forward`` / ``peak_step`` the allocator's peak within the forward / the whole step minus
     ``state``. CUDA only (read from the caching allocator); GB."""
@@ -373,6 +378,10 @@ class MemoryPhases(L.Callback):
             self._row = {"state": self._now(pl_module.device)[0]}
         else:
             self._row = None
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        if self._row is not None:  # the forward is done, the last step's gradients still held
+            self._row["before_zero_grad"] = self._now(pl_module.device)[0] - self._row["state"]
 
     def on_before_backward(self, trainer, pl_module, loss):
         if self._row is not None:
@@ -427,6 +436,59 @@ def plan_memory(shape: Shape, device: torch.device, steps: int) -> dict[str, Any
     return out
 
 
+class KeptByForward(L.Callback):
+    """When the second step's backward starts: the allocator's live blocks, with the Python stack
+    that allocated each (``torch.cuda.memory._record_memory_history``), summed by where in this
+    package (and in torch) they were made: what the forward keeps for backward, by source line."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self.allocated = 0
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if pl_module.device.type == "cuda" and trainer.global_step == 1 and not self.blocks:
+            torch.cuda.synchronize(pl_module.device)
+            self.allocated = torch.cuda.memory_allocated(pl_module.device)
+            snapshot = torch.cuda.memory._snapshot()
+            self.blocks = [{"size": b["size"], "frames": b.get("frames", [])} for seg in snapshot["segments"]
+                           for b in seg["blocks"] if b["state"] == "active_allocated"]
+
+
+def _where(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame in this package and the innermost in torch's Python, as one key."""
+    def first(part: str) -> str:
+        for f in frames:
+            if part in f.get("filename", ""):
+                return f"{f['filename'].rsplit(part, 1)[1]}:{f.get('line')} {f.get('name')}"
+        return "-"
+    return f"{first('lightning_disttrain/')} | {first('torch/')}"
+
+
+def memory_attribution(shape: Shape, device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"model": shape.preset, "measured": "not on CPU: needs the CUDA caching allocator's history"}
+    kept = KeptByForward()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        _fit(shape, device, 2, strategy="fsdp2", callbacks=[kept])
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    groups: dict[str, list] = {}
+    for b in kept.blocks:
+        g = groups.setdefault(_where(b["frames"]), [0, 0, b])
+        g[0] += b["size"]
+        g[1] += 1
+
+    def stack(block) -> list[str]:  # a short stack of the group's first block, in the snapshot's order
+        return [f"{f['filename'].rsplit('/', 2)[-2:][-1]}:{f.get('line')} {f.get('name')}" for f in block["frames"]
+                if "lightning_disttrain/" in f.get("filename", "") or "/torch/" in f.get("filename", "")][:14]
+    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:40]
+    return {"model": shape.preset, "overrides": shape.overrides, "seq": shape.seq, "micro_batch": shape.batch,
+            "allocated_gb": kept.allocated / 1e9, "live_blocks": len(kept.blocks),
+            "live_gb": sum(b["size"] for b in kept.blocks) / 1e9,
+            "by_source": [{"where": k, "gb": v[0] / 1e9, "blocks": v[1], "stack": stack(v[2])} for k, v in top]}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes: checks the code paths")
@@ -451,7 +513,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              "async_save": lambda: async_save(shape, device, max(steps, 7)),
              "init_broadcast": lambda: init_broadcast(shape, device),
              "plan_memory": lambda: plan_memory(shape, device, 4 if not args.smoke else 2),
-             "plan_memory_llama": lambda: plan_memory(Shape.llama(args.smoke), device, 4 if not args.smoke else 2)}
+             "plan_memory_llama": lambda: plan_memory(Shape.llama(args.smoke), device, 4 if not args.smoke else 2),
+             "memory_attribution": lambda: memory_attribution(shape, device),
+             "memory_attribution_llama": lambda: memory_attribution(Shape.llama(args.smoke), device)}
     for name, estimate_s in SECTIONS.items():
         if name in args.sections:
             result = report.run(name, estimate_s, calls[name])
@@ -464,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 SECTIONS = {"sac": 30, "sac_compiled": 60, "meta_init": 20, "cpu_offload": 35, "async_save": 35, "init_broadcast": 15, "plan_memory": 25,
-            "plan_memory_llama": 30}
+            "plan_memory_llama": 30, "memory_attribution": 30, "memory_attribution_llama": 30}
 """Section -> estimated seconds on one H200 (the time budget skips a section that would not fit)."""
 
 
