@@ -75,67 +75,38 @@ class GPTConfig:
         moe_z_loss_coef: Weight of the router z-loss added to the training loss (0: off).
     """
 
+    # Each field is described once, under Args above (what the API reference and the CLI's --help
+    # read); an attribute docstring would say it a second time.
     n_layer: int = 12
-    """Number of transformer blocks."""
     n_head: int = 12
-    """Attention (query) heads per block; ``n_embd`` must be a multiple of it."""
     n_embd: int = 768
-    """Width of the residual stream."""
     block_size: int = 1024
-    """Longest sequence the model accepts (the size of the learned position table)."""
     vocab_size: int = 50257
-    """Tokens the tokenizer can produce (GPT-2 BPE: 50,257)."""
     pad_vocab_multiple: int = 64
-    """Embedding/head rows are padded to a multiple of this for fast matmuls; padding rows are
-    never predicted (their logits are cut off). 1 disables padding."""
     n_kv_head: int | None = None
-    """Key/value heads for grouped-query attention; None means ``n_head`` (plain multi-head)."""
     mlp: str = "gelu"
-    """Feed-forward: ``gelu`` (GPT-2), ``swiglu`` (LLaMA) or ``relu2`` (ReLU squared)."""
     mlp_hidden: int | None = None
-    """Hidden width of the feed-forward; None: 4·n_embd, or ~8/3·n_embd rounded to 64 for swiglu."""
     norm: str = "layernorm"
-    """``layernorm`` (GPT-2) or ``rmsnorm``."""
     norm_eps: float = 1e-5
-    """Epsilon of every norm."""
     pos_emb: str = "learned"
-    """``learned`` absolute positions (GPT-2) or ``rope`` rotary embeddings."""
     rope_theta: float = 10000.0
-    """RoPE base frequency."""
     qk_norm: bool = False
-    """RMS-normalise queries and keys per head before attention (stabilises large learning rates)."""
     tie_embeddings: bool = True
-    """Share the token embedding with the output head (GPT-2)."""
     bias: bool = True
-    """Biases in Linear layers and LayerNorms (GPT-2: True)."""
     dropout: float = 0.0
-    """Dropout on attention probabilities and residual branches (pre-training: 0)."""
     init_std: float = 0.02
-    """Standard deviation of the normal initialisation; residual projections get
-    ``init_std / sqrt(2 · n_layer)`` (GPT-2 paper, section 2.3)."""
     # Mixture of experts (models/moe.py; the rest mirror MoEConfig's fields). Off by default.
     moe_num_experts: int = 0
-    """Routed experts in each MoE block's feed-forward; 0: every block has a dense MLP."""
     moe_top_k: int = 2
-    """Routed experts per token."""
     moe_shared_experts: int = 0
-    """Always-on experts per MoE block, each ``moe_hidden`` wide."""
     moe_hidden: int | None = None
-    """Hidden width of each expert; None: ``mlp_hidden``. Experts follow ``mlp``, without biases."""
     moe_first_dense: int = 0
-    """Leading blocks that keep a dense MLP."""
     moe_every: int = 1
-    """From block ``moe_first_dense`` on, every ``moe_every``-th block is MoE (1: each one)."""
     moe_score: str = "softmax"
-    """Router score: ``softmax``, or ``sigmoid`` renormalised over the chosen experts (DeepSeek-V3)."""
     moe_capacity_factor: float | None = None
-    """None: dropless; else per-expert capacity ``ceil(factor · tokens · top_k / experts)``, rest dropped."""
     moe_bias_update_speed: float = 1e-3
-    """Auxiliary-loss-free balancing: bias step per optimizer step (0: off)."""
     moe_aux_loss_coef: float = 0.0
-    """Weight of the sequence-wise balance loss added to the training loss (0: off)."""
     moe_z_loss_coef: float = 0.0
-    """Weight of the router z-loss added to the training loss (0: off)."""
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:

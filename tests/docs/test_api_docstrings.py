@@ -5,8 +5,11 @@ does this argument do" for every argument (issue 39)."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import inspect
 import re
+import textwrap
 
 import pytest
 
@@ -64,3 +67,15 @@ def test_every_init_argument_is_documented(name: str):
     missing = [p for p in _params(cls) if not _documented(doc, p)]
     assert not missing, (f"{cls.__module__}.{cls.__qualname__}: constructor arguments without their own "
                          f"'name: description' entry in the docstring: {', '.join(missing)}")
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in PUBLIC.items() if dataclasses.is_dataclass(c)))
+def test_a_dataclass_describes_each_field_once(name: str):
+    # Under Args (rendered as its parameters, read by the CLI's --help), not again in an attribute
+    # docstring below the field (rendered a second time as an attribute).
+    cls = PUBLIC[name]
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    twice = [node.target.id for node, after in zip(body, body[1:])
+             if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+             and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)]
+    assert not twice, f"{name}: fields described again in attribute docstrings: {', '.join(twice)}"
