@@ -1,0 +1,341 @@
+"""Figures of the CPU benchmarks, drawn from their recorded results (issue 39): what
+``gpu_report.py --plot`` does for the GPU runs.
+
+    python benchmarks/cpu_figures.py --plot docs/img benchmarks/results/cpu-2026-12-04
+
+Needs matplotlib (``pip install 'lightning-disttrain[plot]'``). Each input is a JSON file or a
+directory, which gives its ``*.json`` (sorted by name). Every JSON holds one benchmark's numbers
+and says where they come from: ``benchmark`` (which one, below), ``date``, ``machine`` and
+``command`` (the run that produced them), ``source`` (the benchmark's own output file, or the
+section of docs/benchmarks.md they were transcribed from). The figures (``--format svg``, the
+default, or ``png``), each with the machine, date and command of its data and the command that
+rendered it in a footnote:
+
+- ``cpu-plan-vs-measured`` (``bench_plan``: ``bench_plan.py``'s ``report.json`` under
+  ``records``): measured peak memory against ``plan``'s, per case and rank, raw and without the
+  fixed bytes (``measured peak - fixed``, bench_plan's ``w/o fixed``), a y = x line and a +-10%
+  band, a marker per layout;
+- ``cpu-fsdp-memory`` (``bench_fsdp_memory``: section 4): memory per rank against the number of
+  ranks, ZeRO-3 and ZeRO-2, at rest and at the step's peak, with the computed sharded state;
+- ``cpu-cp-memory`` (``bench_cp_memory``: section 17): activation memory per rank against
+  sequence length for cp = 1, 2, 4, the budget and the longest sequence within it (linear between
+  the points and beyond the last, as ``bench_cp.py`` computes it);
+- ``cpu-process-groups`` (``bench_process_groups``: section 21): process groups each rank joins
+  and ``new_group`` calls per rank, by layout, at 1,024 ranks.
+
+A figure whose benchmark is not among the inputs is not written, and said so. As in gpu_report.py
+(whose footnote and saving this module uses): SVG text stays text, no creation date, fixed element
+ids, so the same inputs and command render the same bytes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import sys
+from typing import Any
+
+from gpu_report import PLOT_FORMATS
+from gpu_report import _save as save_with_footnote
+
+REQUIRED = ("benchmark", "date", "machine", "command", "source")
+"""The fields every recorded JSON carries."""
+FIGURES = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
+           "cpu-cp-memory": "bench_cp_memory", "cpu-process-groups": "bench_process_groups"}
+"""Figure name -> the benchmark whose JSON it is drawn from."""
+LAYOUT_MARKERS = {"fsdp2": "o", "tp": "s", "pp-1f1b": "^", "pp-interleaved": "v", "pp-gpipe": "D", "ep": "P",
+                  "cp": "X"}
+"""bench_plan's layouts -> marker (another layout: x)."""
+BAND = 0.10
+"""The plan-vs-measured figure's band around y = x: +-10%."""
+
+
+def load_results(inputs: list[str]) -> dict[str, dict[str, Any]]:
+    """benchmark -> its recorded JSON (plus ``path``), from files and directories, in order."""
+    files: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(glob.glob(os.path.join(item, "*.json")))
+            if not found:
+                raise ValueError(f"{item}: no JSON file in it")
+            files += found
+        elif os.path.isfile(item):
+            files.append(item)
+        else:
+            raise ValueError(f"{item}: no such file or directory")
+    results: dict[str, dict[str, Any]] = {}
+    for path in files:
+        with open(path) as f:
+            data = json.load(f)
+        missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
+        if missing:
+            raise ValueError(f"{path}: not a recorded CPU benchmark result (no {', '.join(missing)})")
+        if data["benchmark"] not in FIGURES.values():
+            raise ValueError(f"{path}: no figure draws benchmark {data['benchmark']!r} "
+                             f"(known: {', '.join(FIGURES.values())})")
+        if data["benchmark"] in results:
+            raise ValueError(f"{path}: a second {data['benchmark']} result (the first: "
+                             f"{results[data['benchmark']]['path']})")
+        results[data["benchmark"]] = data | {"path": path}
+    return results
+
+
+def footnote(data: dict[str, Any], render_command: str) -> str:
+    """The machine, date and command of the data, its source, and the command that drew it."""
+    text = f"Data: {data['command']} on {data['date']}; {data['machine']}. Source: {data['source']}."
+    return text + (f" Rendered by: {render_command}" if render_command else "")
+
+
+# ---- each figure's numbers, from its JSON
+
+def plan_points(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One point per case and rank: planned and measured peak (MiB), and the measured peak less
+    that rank's fixed bytes (bench_plan's per-rank 'w/o fixed' numerator)."""
+    return [{"layout": r["layout"], "preset": r["preset"], "ac": r["ac"], "rank": rank,
+             "planned_mib": p["planned_mib"], "measured_mib": p["measured_mib"],
+             "without_fixed_mib": p["measured_mib"] - fixed}
+            for r in data["records"] for rank, (p, fixed) in enumerate(zip(r["per_rank"], r["fixed_mib"]))]
+
+
+def plan_case_ratios(record: dict[str, Any]) -> tuple[float, float]:
+    """(raw, without fixed) ratio of one case as bench_plan's table computes them: the larger rank's
+    measured peak (less that rank's fixed bytes) over the larger rank's planned peak."""
+    ranks = record["per_rank"]
+    top_planned = max(range(len(ranks)), key=lambda r: ranks[r]["planned_mib"])
+    top_measured = max(range(len(ranks)), key=lambda r: ranks[r]["measured_mib"])
+    planned, peak = ranks[top_planned]["planned_mib"], ranks[top_measured]["measured_mib"]
+    return peak / planned, (peak - record["fixed_mib"][top_measured]) / planned
+
+
+def fsdp_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per N and stage: rest, peak and the peak's part above rest, and the computed state."""
+    return [{"n": r["n"], "stage": r["stage"], "rest": r["rest"], "peak": r["peak"],
+             "above_rest": r["peak"] - r["rest"], "computed_state": r["computed_state"]} for r in data["rows"]]
+
+
+def longest_within(points: list[tuple[float, float]], budget: float) -> float:
+    """The longest sequence whose memory stays within ``budget``: linear between the (seq, MiB)
+    points, and beyond the last along the last two (``bench_cp.py``'s rule)."""
+    points = sorted(points)
+    for (a, ma), (b, mb) in zip(points, points[1:]):
+        if ma <= budget <= mb:
+            return a + (budget - ma) * (b - a) / (mb - ma)
+    (s0, m0), (s1, m1) = points[-2], points[-1]
+    if m1 < budget:
+        return s1 + (budget - m1) * (s1 - s0) / (m1 - m0)
+    return points[0][0] * budget / points[0][1]
+
+
+def cp_series(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One series per cp degree: its (seq, MiB per rank) points and the longest sequence within the
+    budget: as recorded (``bench_cp.py``'s, from its unrounded points: drawn) and as computed here
+    from the recorded points (rounded to 0.1 MiB: within a few tokens of it)."""
+    degrees = list(data["rows"][0]["mib_per_rank"])
+    out = []
+    for cp in degrees:
+        points = [(row["seq"], row["mib_per_rank"][cp]) for row in data["rows"]]
+        out.append({"cp": int(cp), "points": points,
+                    "longest_within_budget": data["longest_seq_within_budget"][cp],
+                    "longest_from_points": longest_within(points, data["budget_mib"]),
+                    "extrapolated": max(m for _, m in points) < data["budget_mib"]})
+    return out
+
+
+def group_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per layout: the groups this rank joins (one per distinct rank set) and the ``new_group``
+    calls every rank makes."""
+    return [{"layout": r["layout"], "groups": len(r["sizes"]), "sizes": r["sizes"],
+             "note": r.get("sizes_note", ""), "new_group_calls": r["new_group_calls"]} for r in data["rows"]]
+
+
+# ---- drawing
+
+def _log_label(value: float, _position) -> str:
+    """A log axis labelled 10, 20, 50, 100, 200, 500, ... in plain numbers; its other ticks unlabelled."""
+    text = f"{value:g}"
+    return text if text[0] in "125" else ""
+
+
+def _draw_plan(plt, data: dict[str, Any], note: str, path: str) -> None:
+    points = plan_points(data)
+    cases = [plan_case_ratios(r) for r in data["records"]]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.8), sharex=True, sharey=True,
+                             subplot_kw={"xscale": "log", "yscale": "log"})
+    values = [p[k] for p in points for k in ("planned_mib", "measured_mib", "without_fixed_mib")]
+    lo, hi = min(values) / 1.25, max(values) * 1.25
+    line = [lo, hi]
+    panels = (("measured_mib", 0, "measured peak (raw)"),
+              ("without_fixed_mib", 1, "measured peak less the fixed bytes (the modelled part)"))
+    for ax, (key, which, title) in zip(axes, panels):
+        ax.fill_between(line, [x * (1 - BAND) for x in line], [x * (1 + BAND) for x in line], color="0.88",
+                        label=f"within {BAND:.0%} of the plan")
+        ax.plot(line, line, color="black", linewidth=1, label="measured = planned")
+        for i, layout in enumerate(dict.fromkeys(p["layout"] for p in points)):
+            mine = [p for p in points if p["layout"] == layout]
+            ax.plot([p["planned_mib"] for p in mine], [p[key] for p in mine], marker=LAYOUT_MARKERS.get(layout, "x"),
+                    color=f"C{i % 10}", linestyle="none", markersize=6, alpha=0.8, label=layout)
+        ratios = [p[key] / p["planned_mib"] for p in points]
+        inside = sum(1 - BAND <= r <= 1 + BAND for r in ratios)
+        case = [c[which] for c in cases]
+        ax.text(0.03, 0.97, f"per case and rank: {min(ratios):.3f}-{max(ratios):.3f}, {inside} of {len(ratios)} "
+                            f"within {BAND:.0%}\nper case (larger rank, as the table): {min(case):.3f}-{max(case):.3f}"
+                            f" over {len(case)} cases", transform=ax.transAxes, va="top", fontsize=8)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(_log_label)
+            axis.set_minor_formatter(_log_label)
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("planned peak per rank, MiB (planning.memory_per_rank)")
+    axes[0].set_ylabel("measured peak per rank, MiB (malloc bytes in use)")
+    axes[1].legend(loc="lower right", fontsize=7, ncol=2)
+    fig.suptitle("plan against measurement: peak memory per rank (bench_plan.py, fp32, 2 gloo ranks)", fontsize=10)
+    save_with_footnote(plt, fig, path, "fixed = measured rest - planned state (and a pipeline's receive buffers): "
+                                       "what a process holds besides them, which the plan does not model. " + note)
+
+
+def _draw_fsdp(plt, data: dict[str, Any], note: str, path: str) -> None:
+    rows = fsdp_rows(data)
+    ns = sorted({r["n"] for r in rows})
+    stages = list(dict.fromkeys(r["stage"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 5.2))
+    width = 0.8 / len(stages)
+    for j, stage in enumerate(stages):
+        color = f"C{j}"
+        mine = sorted((r for r in rows if r["stage"] == stage), key=lambda r: r["n"])
+        xs = [ns.index(r["n"]) + (j - (len(stages) - 1) / 2) * width for r in mine]
+        ax.bar(xs, [r["rest"] for r in mine], width * 0.9, color=color, label=f"{stage}: at rest")
+        ax.bar(xs, [r["above_rest"] for r in mine], width * 0.9, bottom=[r["rest"] for r in mine], color=color,
+               alpha=0.4, label=f"{stage}: the step's peak above rest")
+        for x, r in zip(xs, mine):
+            ax.text(x, r["peak"], f"{r['peak']:.1f}", ha="center", va="bottom", fontsize=7.5)
+    for i, n in enumerate(ns):
+        state = next(r["computed_state"] for r in rows if r["n"] == n)
+        ax.hlines(state, i - 0.45, i + 0.45, color="black", linestyle="--", linewidth=1,
+                  label="computed state, 16 B/param / N" if i == 0 else None)
+    ax.set_xticks(range(len(ns)), [f"N = {n}" for n in ns])
+    ax.set_xlabel("ranks (FSDP2 over N gloo processes)")
+    ax.set_ylabel("memory per rank, MiB (malloc bytes in use, rank 0)")
+    ax.set_ylim(0, max(r["peak"] for r in rows) * 1.12)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title("FSDP2 memory per rank by ZeRO stage (bench_fsdp.py --part memory): rank 0, step 2", fontsize=10)
+    save_with_footnote(plt, fig, path, f"{data['model']}. {note}")
+
+
+def _draw_cp(plt, data: dict[str, Any], note: str, path: str) -> None:
+    series = cp_series(data)
+    budget = data["budget_mib"]
+    fig, ax = plt.subplots(figsize=(8, 5.2))
+    for i, s in enumerate(series):
+        xs, ys = zip(*s["points"])
+        color = f"C{i}"
+        ax.plot(xs, ys, marker="o", color=color, label=f"cp={s['cp']}")
+        x = s["longest_within_budget"]
+        if s["extrapolated"]:
+            ax.plot([xs[-1], x], [ys[-1], budget], color=color, linestyle=":")
+        ax.plot(x, budget, marker="x", color=color, markersize=9, linestyle="none")
+        ax.annotate(f"{x:,.0f}{' (extrapolated)' if s['extrapolated'] else ''}", (x, budget), xytext=(0, 8 + 11 * i),
+                    textcoords="offset points", ha="center", fontsize=7.5, color=color)
+    ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget {budget:g} MiB per rank")
+    seqs = [row["seq"] for row in data["rows"]]
+    ax.set_xticks(seqs, [f"{s:,}" for s in seqs])
+    ax.set_xlim(0, max(seqs + [s["longest_within_budget"] for s in series]) * 1.08)
+    ax.set_ylim(0, None)
+    ax.set_xlabel("sequence length, tokens (x: the longest within the budget, linear between the points)")
+    ax.set_ylabel("activations kept for backward, MiB per rank")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(f"Context parallel: activation memory per rank against sequence length (bench_cp.py)\n"
+                 f"{data['model']}", fontsize=10)
+    save_with_footnote(plt, fig, path, "On CPU a cp rank's causal mask is a materialised bias of chunk x prefix "
+                                       "per layer (quadratic in the sequence): docs/benchmarks.md section 17. " + note)
+
+
+def _draw_groups(plt, data: dict[str, Any], note: str, path: str) -> None:
+    rows = group_rows(data)
+    fig, (ax, ax_calls) = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 2.4), sharey=True,
+                                       gridspec_kw={"width_ratios": [3, 2]})
+    y = range(len(rows))
+    groups = [r["groups"] for r in rows]
+    ax.barh(y, groups, color="C0")
+    for i, r in enumerate(rows):
+        sizes = ", ".join(map(str, r["sizes"])) or r["note"]
+        ax.text(r["groups"], i, f" {r['groups']} (sizes {sizes})" if r["sizes"] else f" 0 ({sizes})",
+                va="center", fontsize=7.5)
+    ax.set_yticks(list(y), [r["layout"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(groups) * 1.9)
+    ax.set_xlabel("process groups this rank joins (each a distinct rank set)")
+    calls = [r["new_group_calls"] for r in rows]
+    ax_calls.barh(y, calls, color="C1")
+    for i, c in enumerate(calls):
+        ax_calls.text(c, i, f" {c:,}", va="center", fontsize=7.5)
+    ax_calls.set_xlim(0, max(calls) * 1.2)
+    ax_calls.set_xlabel("new_group calls every rank makes")
+    fig.suptitle(f"Process groups per rank by layout at {data['world']:,} ranks (bench_process_groups.py)",
+                 fontsize=10)
+    save_with_footnote(plt, fig, path, "On GPUs each joined group is an NCCL communicator with its own buffers. "
+                       + note)
+
+
+DRAW = {"cpu-plan-vs-measured": _draw_plan, "cpu-fsdp-memory": _draw_fsdp, "cpu-cp-memory": _draw_cp,
+        "cpu-process-groups": _draw_groups}
+
+
+def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = "svg") -> dict[str, Any]:
+    """Write the figures of ``inputs`` (see the module's docstring) into ``out_dir``. Returns the
+    files written (``files``: figure name -> path), the figures not written and why (``skipped``),
+    and the numbers drawn (``plan``, ``fsdp_memory``, ``cp_memory``, ``process_groups``; None
+    where the benchmark is not among the inputs)."""
+    if fmt not in PLOT_FORMATS:
+        raise ValueError(f"--format {fmt!r}: one of {', '.join(PLOT_FORMATS)}")
+    results = load_results(inputs)
+    from lightning_disttrain.planning.plot import pyplot  # matplotlib on Agg, or what to install
+
+    plt = pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    files, skipped = {}, {}
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "lightning-disttrain cpu_figures"}):
+        for name, benchmark in FIGURES.items():
+            if benchmark not in results:
+                skipped[name] = f"no {benchmark} result among the inputs"
+                continue
+            path = os.path.join(out_dir, f"{name}.{fmt}")
+            DRAW[name](plt, results[benchmark], footnote(results[benchmark], command), path)
+            files[name] = path
+
+    def drawn(benchmark: str, numbers):
+        return numbers(results[benchmark]) if benchmark in results else None
+
+    return {"files": files, "skipped": skipped, "plan": drawn("bench_plan", plan_points),
+            "fsdp_memory": drawn("bench_fsdp_memory", fsdp_rows), "cp_memory": drawn("bench_cp_memory", cp_series),
+            "process_groups": drawn("bench_process_groups", group_rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="draw the figures of recorded CPU benchmark results")
+    p.add_argument("--plot", metavar="DIR", required=True, help="write the figures (cpu-*.svg) into DIR")
+    p.add_argument("--format", default="svg", choices=PLOT_FORMATS, help="the figures' format (default svg)")
+    p.add_argument("inputs", nargs="+", metavar="JSON_OR_DIR",
+                   help="recorded results (JSON files with benchmark, date, machine, command, source), or "
+                        "directories holding them")
+    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = "python benchmarks/cpu_figures.py " + " ".join(shlex.quote(a) for a in argv)
+    try:
+        result = plot_results(args.inputs, args.plot, command, args.format)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, path in result["files"].items():
+        print(f"# {name}: {path} ({os.path.getsize(path):,} bytes)")
+    for name, why in result["skipped"].items():
+        print(f"# {name}: not drawn ({why})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
