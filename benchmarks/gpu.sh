@@ -15,7 +15,8 @@
 # and then, on one GPU, with estimates on one H200:
 #   gpu_bench.py (gets what is left but 170 s; writes $OUT/gpu_bench.json after every section):
 #     mfu            ~60 s   gpt2-124m seq 1024 bf16 per-block compile: MFU and tokens/s, hand timer
-#     mfu_lightning  ~40 s   the same through Trainer + MFUMonitor (Inductor cache warm from mfu)
+#     mfu_loss       ~50 s   the same with GPTModule's fp32 loss eager, then compiled: speedup, memory
+#     mfu_lightning  ~40 s   the same through Trainer + MFUMonitor, blocks and loss compiled
 #     fp8           ~150 s   gpt2-774m: bf16, float8 tensorwise, float8 rowwise (~50 s each, mostly
 #                            compile): speedup, per-step losses and their max / mean gap
 #     fp8_wide      ~120 s   the same on 4 blocks of Llama-3-8B's width (d 4096, SwiGLU 14336)
@@ -32,7 +33,7 @@
 #     plan_memory    ~25 s   gpt2-124m peak memory under fsdp2 vs `lightning-disttrain plan`, per phase
 #     plan_memory_llama ~30 s  the same for 4 blocks of Llama-3-8B (128k vocabulary)
 #     memory_attribution[_llama] ~30 s each  what the forward keeps, by allocating source line
-# Total ~680 s estimated; measured on one H200 (2026-12-04): all parts 204 s before fp8_wide and
+# Total ~730 s estimated; measured on one H200 (2026-12-04): all parts 204 s before fp8_wide and
 # sac_compiled, 303 s with them (every section passed), so the estimates are high. LDT_GPU_DEADLINE (exported below) lets each script skip, and name in its
 # JSON, a section that no longer fits instead of being killed in it; the timeouts are the backstop.
 #
@@ -87,10 +88,10 @@ fi
 if want versions; then
     "$PY" benchmarks/gpu_versions.py || echo "# gpu_versions.py failed (exit $?): versions not recorded"
 fi
-sections=(mfu mfu_lightning fp8 fp8_wide)
+sections=(mfu mfu_loss mfu_lightning fp8 fp8_wide)
 if ! "$PY" -c "import torchao.float8" 2>/dev/null; then
     echo "# torchao is not importable: skipping the fp8 section (see the header of $0)"
-    sections=(mfu mfu_lightning)  # fp8 and fp8_wide need it
+    sections=(mfu mfu_loss mfu_lightning)  # fp8 and fp8_wide need it
 fi
 if [[ ${#smoke[@]} -eq 0 ]]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true

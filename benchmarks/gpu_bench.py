@@ -8,6 +8,9 @@ a section that no longer fits is skipped and named under ``skipped``):
    synthetic tokens. Step time = wall time of ``--steps`` steps after ``--warmup`` steps, with
    the GPU drained before and after; MFU = ``flops_per_token(1024)`` x tokens/s / the dense bf16
    peak of the device (``lightning_disttrain.peak_flops``).
+1b. ``mfu_loss``: the same, with ``GPTModule``'s loss (``fp32_cross_entropy``) eager and then
+   compiled (``GPTModule.compile_loss``, which the strategies call when they compile): speedup,
+   peak memory and per-step loss gap of the compiled loss (``mfu_loss`` in the JSON).
 2. ``mfu_lightning``: the same model through ``Trainer`` + ``GPTModule`` + ``MFUMonitor``: what the
    callback reports, to compare with (1) (Lightning's loop, logging and the callback's per-step
    sync cost a little).
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 
 from lightning_disttrain.peak_flops import chip_of, measure_cpu_peak_flops
 from lightning_disttrain.models.gpt import GPT, GPTConfig
+from lightning_disttrain.module import fp32_cross_entropy
 from lightning_disttrain.parallel.compile import apply_compile
 from lightning_disttrain.parallel.float8 import Float8Options, convert_to_float8
 
@@ -52,7 +56,7 @@ try:  # run as a script (benchmarks/ on sys.path) or as benchmarks.gpu_bench
 except ImportError:
     from benchmarks.gpu_report import deadline_from_env
 
-ESTIMATES = {"mfu": 60, "mfu_lightning": 40, "fp8": 50, "fp8_wide": 40}
+ESTIMATES = {"mfu": 60, "mfu_loss": 30, "mfu_lightning": 40, "fp8": 50, "fp8_wide": 40}
 
 WIDE = dict(n_layer=4, n_embd=4096, n_head=32, n_kv_head=8, mlp="swiglu", mlp_hidden=14336, norm="rmsnorm",
             pos_emb="rope", bias=False, tie_embeddings=False)
@@ -80,10 +84,15 @@ def bf16_peak(device: torch.device) -> tuple[float, str]:
 
 def train_loop(preset: str, *, device: torch.device, batch: int, seq: int, warmup: int, steps: int,
                float8: str | None, compile: bool, vocab: int | None, peak: float,
-               model_overrides: dict[str, Any] | None = None, label: str | None = None) -> dict[str, Any]:
+               model_overrides: dict[str, Any] | None = None, label: str | None = None,
+               loss: str = "plain") -> dict[str, Any]:
     """Build, optionally swap to float8 (``float8``: the recipe, "tensorwise" or "rowwise") and
     compile, then time ``steps`` training steps. Same seed, so the same initial weights and the
-    same batch for every run: the per-step losses of two runs compare step by step."""
+    same batch for every run: the per-step losses of two runs compare step by step.
+
+    ``loss``: ``"plain"`` (``F.cross_entropy`` of the fp32 logits, as this benchmark always ran),
+    ``"eager"`` (``GPTModule``'s ``fp32_cross_entropy``: the padding columns cut, then fp32) or
+    ``"compiled"`` (the same, ``torch.compile``d as ``GPTModule.compile_loss`` does)."""
     torch.manual_seed(0)
     overrides = {"block_size": seq} | ({"vocab_size": vocab} if vocab else {}) | (model_overrides or {})
     cfg = GPTConfig.from_name(preset, **overrides)
@@ -98,14 +107,25 @@ def train_loop(preset: str, *, device: torch.device, batch: int, seq: int, warmu
     inputs, targets = x[:, :-1], x[:, 1:]
     use_autocast = device.type == "cuda"
 
+    if loss == "plain":
+        def loss_of(logits):
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    elif loss in ("eager", "compiled"):
+        ce = fp32_cross_entropy if loss == "eager" else torch.compile(fp32_cross_entropy, dynamic=False)
+
+        def loss_of(logits):
+            return ce(logits, targets, cfg.vocab_size)
+    else:
+        raise ValueError(f"loss={loss!r}: use 'plain', 'eager' or 'compiled'")
+
     def step() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
             logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
+        value = loss_of(logits)
+        value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return value
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -130,6 +150,8 @@ def train_loop(preset: str, *, device: torch.device, batch: int, seq: int, warmu
     precision = "bf16" if use_autocast else "fp32"
     if float8:
         precision = f"fp8 {float8}{'' if device.type == 'cuda' else ' (emul.)'}"
+    if loss != "plain":
+        precision += f", {loss} loss"
     return {"model": label or preset, "precision": precision, "batch": batch, "seq": seq, "recompiles_timed": recompiles,
             "float8_linears": n_fp8, "step_ms": 1e3 * step_s, "tokens_per_s": tokens_per_s,
             "tflops": tflops, "mfu_bf16_peak": tflops * 1e12 / peak, "peak_mem_gib": mem,
@@ -163,8 +185,9 @@ def lightning_mfu(preset: str, *, device: torch.device, batch: int, seq: int, wa
 
     class CompileBlocks(pl.Callback):
         def on_fit_start(self, trainer, pl_module):
-            if compile:
+            if compile:  # as the strategies' compile option does: the blocks, then the loss
                 apply_compile(pl_module.model.blocks, dynamic=False)
+                pl_module.compile_loss(dynamic=False)
 
     torch.manual_seed(0)
     overrides = {"block_size": seq}
@@ -271,6 +294,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common = dict(device=device, compile=compile, vocab=vocab, peak=peak)
     if "mfu" in args.sections:
         run("mfu", with_oom_retry, loop=train_loop, preset=small, batch=batches["mfu"], float8=None, **shape, **common)
+    if "mfu_loss" in args.sections:
+        runs = {name: run("mfu_loss", with_oom_retry, loop=train_loop, preset=small, batch=batches["mfu"], float8=None,
+                          loss=name, **shape, **common) for name in ("eager", "compiled")}
+        report["mfu_loss"] = fp8_comparison({None: runs["eager"], "compiled": runs["compiled"]})
     if "mfu_lightning" in args.sections:
         run("mfu_lightning", lightning_mfu, preset=small, batch=batches["mfu"], device=device, compile=compile,
             vocab=vocab, **shape)
@@ -293,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("-" * len(header))
     for r in report["results"]:
         print(_row(r))
-    for key, model in (("fp8", large), ("fp8_wide", "8b-width x4")):
+    for key, model in (("mfu_loss", small), ("fp8", large), ("fp8_wide", "8b-width x4")):
         for recipe, c in report.get(key, {}).items():
             print(f"# {key} {recipe} vs {c['baseline']} ({model}): speedup {c['speedup']:.3f}x (tokens/s); "
                   f"loss gap over {c['steps']} steps: max {c['max_abs_loss_gap']:.4f}, mean {c['mean_abs_loss_gap']:.4f}, "

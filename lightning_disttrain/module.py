@@ -40,6 +40,17 @@ def _config_from_hf(init_from: str, preset: str, overrides: dict[str, Any]) -> G
     return config
 
 
+def fp32_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (B, T, padded vocabulary) over their first ``vocab_size``
+    columns, in fp32 whatever the logits' dtype: bf16 cross-entropy over 50k classes loses the small
+    probabilities. The padding columns are never a prediction: cut off. Eager, this keeps the fp32
+    log-softmax output for backward and holds two fp32 gradients in it (12 B per logit,
+    ``planning/memory.py``); compiled (``GPTModule.compile_loss``), Inductor fuses the cast,
+    log-softmax and gather."""
+    logits = logits[..., :vocab_size].float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 class Perplexity(MeanMetric):
     """exp of the weighted mean loss: fed the same updates as a ``MeanMetric`` of the loss, so the two agree."""
 
@@ -180,6 +191,7 @@ class GPTModule(L.LightningModule):
         # This step's loss, on the device, until it is known whether the loggers read this step
         # (then it is averaged over the ranks and logged, else dropped): see _log_train.
         self._unlogged_loss: torch.Tensor | None = None
+        self._cross_entropy = fp32_cross_entropy  # compiled by compile_loss
 
     # ---- model construction -------------------------------------------------------------
 
@@ -270,8 +282,14 @@ class GPTModule(L.LightningModule):
             # Under loss_parallel (the strategy enters it around this step and its backward) the
             # cross-entropy works on the shards; its result is replicated on every TP rank.
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).full_tensor()
-        logits = logits[..., : self.config.vocab_size].float()
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return self._cross_entropy(logits, targets, self.config.vocab_size)
+
+    def compile_loss(self, **options: Any) -> None:
+        """``torch.compile`` the loss of plain (not vocabulary-sharded) logits with ``options``
+        (``torch.compile``'s keyword arguments). The strategies call it with their ``compile``
+        options after compiling the blocks (``parallel/recipe.py``); the tensor-parallel loss
+        (DTensor logits under ``loss_parallel``) stays eager."""
+        self._cross_entropy = torch.compile(fp32_cross_entropy, **options)
 
     def _data_parallel_size(self) -> int:
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}

@@ -294,3 +294,24 @@ def test_resume_with_another_schedule_length_warns(tmp_path):
         warnings.simplefilter("always")
         _fit_for_resume(tmp_path, GPTModule.load_from_checkpoint(ckpt), max_steps=8)
     assert not [w for w in caught if "LR schedule spans" in str(w.message)]
+
+
+def test_compile_loss_gives_the_eager_loss_and_gradients():
+    # The strategies compile the loss with their compile options (recipe step 7); here aot_eager
+    # (the suite's machines may lack a C++ toolchain for Inductor on CPU; Inductor's numerics are
+    # checked on a GPU: benchmarks/gpu_bench.py's mfu_loss section).
+    from lightning_disttrain.module import fp32_cross_entropy
+
+    module = GPTModule("tiny", vocab_size=250)  # padded to 256 columns: the cut is part of the loss
+    torch.manual_seed(0)
+    logits = torch.randn(2, 16, 256, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 250, (2, 16))
+    eager = module.loss_fn(logits, targets)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    module.compile_loss(backend="aot_eager", dynamic=False)
+    assert module._cross_entropy is not fp32_cross_entropy  # replaced by the compiled function
+    compiled = module.loss_fn(logits, targets)
+    (compiled_grad,) = torch.autograd.grad(compiled, logits)
+    assert compiled.dtype == torch.float32
+    assert torch.equal(compiled, eager) and torch.equal(compiled_grad, eager_grad)
+    assert compiled_grad[..., 250:].abs().sum() == 0  # the padding columns get no gradient

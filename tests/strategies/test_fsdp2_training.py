@@ -116,6 +116,7 @@ def test_transforms_run_in_stage_order(two):
         assert [n for _, n in r["transform_names"]] == ["probe_dtype", "probe_activation_checkpointing", "probe_fsdp"]
         steps = [s.split(":")[0] for s in r["parallelized_steps"]]
         assert steps == ["dtype", "activation_checkpointing", "compile", "fsdp", "fsdp"], r["parallelized_steps"]
+        assert r["parallelized_steps"][2] == "compile: 2 blocks + the loss"  # GPTModule.compile_loss
         assert r["parallelized_steps"][3].startswith("fsdp: 2 blocks + 0 groups + root GPT")
 
 
