@@ -32,8 +32,9 @@
 #     init_broadcast ~15 s   real weights built in __init__ under fsdp2 (NCCL staging path)
 #     plan_memory    ~25 s   gpt2-124m peak memory under fsdp2 vs `lightning-disttrain plan`, per phase
 #     plan_memory_llama ~30 s  the same for 4 blocks of Llama-3-8B (128k vocabulary)
+#     plan_memory_llama_compiled ~45 s  the same with the strategy's compile option (blocks + loss)
 #     memory_attribution[_llama] ~30 s each  what the forward keeps, by allocating source line
-# Total ~730 s estimated; measured on one H200 (2026-12-04): all parts 204 s before fp8_wide and
+# Total ~775 s estimated; measured on one H200 (2026-12-04): all parts 204 s before fp8_wide and
 # sac_compiled, 303 s with them (every section passed), so the estimates are high. LDT_GPU_DEADLINE (exported below) lets each script skip, and name in its
 # JSON, a section that no longer fits instead of being killed in it; the timeouts are the backstop.
 #

@@ -29,6 +29,8 @@ of its 440 s; a section that no longer fits is skipped and named in the JSON):
    the memory of each phase of a step (``MemoryPhases``) against the plan's terms.
    ``plan_memory_llama`` (~30 s): the same for 4 blocks of Llama-3-8B (128k vocabulary, untied head,
    SwiGLU, GQA, RoPE), micro-batch 2.
+   ``plan_memory_llama_compiled`` (~45 s): the same with the strategy's ``compile`` option (the
+   blocks and the loss compiled).
    ``memory_attribution`` / ``memory_attribution_llama`` (~30 s each): the caching allocator's live
    blocks when the second step's backward starts, summed by the source line that allocated them
    (``torch.cuda.memory._record_memory_history`` with Python stacks): what the forward keeps.
@@ -399,16 +401,20 @@ class MemoryPhases(L.Callback):
             self.rows.append(self._row)
 
 
-def plan_memory(shape: Shape, device: torch.device, steps: int) -> dict[str, Any]:
+def plan_memory(shape: Shape, device: torch.device, steps: int, compiled: bool = False) -> dict[str, Any]:
+    """``compiled``: the strategy's ``compile`` option on (the blocks and the loss, Inductor; on CPU
+    the eager backend), whose loss keeps less than the plan's 12 B per logit."""
     from lightning_disttrain.planning.memory import GPU_RESERVED
 
     argv, layout = plan_figure(shape, device)
     phases = MemoryPhases()
-    r = _fit(shape, device, steps, strategy="fsdp2", callbacks=[phases])
+    strategy = NDParallelStrategy(compile={"dynamic": False} if device.type == "cuda" else {"backend": "eager"}) \
+        if compiled else "fsdp2"
+    r = _fit(shape, device, steps, strategy=strategy, callbacks=[phases])
     if device.type == "cuda":  # the whole run's peaks: before the per-step resets, and after the last
         r.peak_alloc, r.peak_reserved = max(r.peak_alloc, phases.peak_alloc), max(r.peak_reserved, phases.peak_reserved)
     plan_gb = layout["memory_gb"]
-    out = {"model": shape.preset, "overrides": shape.overrides, "seq": shape.seq, "micro_batch": shape.batch, "steps": steps,
+    out = {"model": shape.preset, "overrides": shape.overrides, "compiled": compiled, "seq": shape.seq, "micro_batch": shape.batch, "steps": steps,
            "plan_command": "lightning-disttrain plan " + " ".join(argv), "plan_layout": layout["name"],
            "plan_gb": plan_gb, "measured_peak_alloc_gb": r.peak_alloc, "measured_peak_reserved_gb": r.peak_reserved,
            "allocated_before_build_gb": r.leftover_gb}  # held by earlier sections: ~0 expected
@@ -514,6 +520,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              "init_broadcast": lambda: init_broadcast(shape, device),
              "plan_memory": lambda: plan_memory(shape, device, 4 if not args.smoke else 2),
              "plan_memory_llama": lambda: plan_memory(Shape.llama(args.smoke), device, 4 if not args.smoke else 2),
+             "plan_memory_llama_compiled": lambda: plan_memory(Shape.llama(args.smoke), device,
+                                                               4 if not args.smoke else 2, compiled=True),
              "memory_attribution": lambda: memory_attribution(shape, device),
              "memory_attribution_llama": lambda: memory_attribution(Shape.llama(args.smoke), device)}
     for name, estimate_s in SECTIONS.items():
@@ -528,7 +536,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 SECTIONS = {"sac": 30, "sac_compiled": 60, "meta_init": 20, "cpu_offload": 35, "async_save": 35, "init_broadcast": 15, "plan_memory": 25,
-            "plan_memory_llama": 30, "memory_attribution": 30, "memory_attribution_llama": 30}
+            "plan_memory_llama": 30, "plan_memory_llama_compiled": 45, "memory_attribution": 30, "memory_attribution_llama": 30}
 """Section -> estimated seconds on one H200 (the time budget skips a section that would not fit)."""
 
 

@@ -174,7 +174,7 @@ def test_figures_of_the_gpu_runs_from_their_recorded_jsons(tmp_path):
     assert [(r["label"], r["kind"]) for r in runs] == [
         ("run1", "bench"), ("run1", "paths"), ("run1", "versions"), ("run2", "bench"), ("run2", "paths"),
         ("run3", "bench"), ("run3", "paths"), ("run4", "bench"), ("run4", "paths"), ("run4", "versions"),
-        ("run5", "paths"), ("run6", "paths"), ("run7", "bench")]
+        ("run5", "paths"), ("run6", "paths"), ("run7", "bench"), ("run8", "paths")]
     inputs = [str(RESULTS / f"run{n}_gpu_{part}.json") for n in (1, 2, 3) for part in ("bench", "paths")]
     result = plot_reports(inputs, str(tmp_path), command="python benchmarks/gpu_report.py --plot ...")
     assert not result["skipped"]
