@@ -417,13 +417,15 @@ def plan_memory(shape: Shape, device: torch.device, steps: int, compiled: bool =
     out = {"model": shape.preset, "overrides": shape.overrides, "compiled": compiled, "seq": shape.seq, "micro_batch": shape.batch, "steps": steps,
            "plan_command": "lightning-disttrain plan " + " ".join(argv), "plan_layout": layout["name"],
            "plan_gb": plan_gb, "measured_peak_alloc_gb": r.peak_alloc, "measured_peak_reserved_gb": r.peak_reserved,
-           "allocated_before_build_gb": r.leftover_gb}  # held by earlier sections: ~0 expected
+           # held by earlier sections when the build started: ~0 expected. Not subtracted below: it
+           # may be freed before the steps (run 5 had 0.069 GB and the same raw figures as run 6).
+           "allocated_before_build_gb": r.leftover_gb}
     if device.type == "cuda":
         # The plan's total counts the CUDA context and library workspaces (GPU_RESERVED), which the
         # caching allocator never sees: compare the allocator's peak with the rest.
         allocator_part = plan_gb["total"] - GPU_RESERVED / 1e9
         out |= {"plan_allocator_part_gb": allocator_part,
-                "measured_over_plan": (r.peak_alloc - r.leftover_gb) / allocator_part,
+                "measured_over_plan": r.peak_alloc / allocator_part,
                 "reserved_over_plan": r.peak_reserved / allocator_part,
                 "phases_gb": phases.rows}
         if phases.rows:
@@ -432,7 +434,7 @@ def plan_memory(shape: Shape, device: torch.device, steps: int, compiled: bool =
             # against what is held when a step starts; its activations + logits + buffers (without
             # the CUDA allowance, which the allocator never sees) against the step's peak above that.
             out["terms_gb"] = {
-                "state": {"plan": plan_gb["state"], "measured": last["state"] - r.leftover_gb},
+                "state": {"plan": plan_gb["state"], "measured": last["state"]},
                 "step_peak_above_state": {
                     "plan": plan_gb["activations"] + plan_gb["logits"] + plan_gb["buffers"] - GPU_RESERVED / 1e9,
                     "measured": last["peak_step"]},
@@ -467,7 +469,7 @@ def _where(frames: list[dict[str, Any]]) -> str:
             if part in f.get("filename", ""):
                 return f"{f['filename'].rsplit(part, 1)[1]}:{f.get('line')} {f.get('name')}"
         return "-"
-    return f"{first('lightning_disttrain/')} | {first('torch/')}"
+    return f"{first('lightning_disttrain/')} | {first('/torch/')}"
 
 
 def memory_attribution(shape: Shape, device: torch.device) -> dict[str, Any]:

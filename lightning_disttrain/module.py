@@ -282,14 +282,26 @@ class GPTModule(L.LightningModule):
             # Under loss_parallel (the strategy enters it around this step and its backward) the
             # cross-entropy works on the shards; its result is replicated on every TP rank.
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).full_tensor()
-        return self._cross_entropy(logits, targets, self.config.vocab_size)
+        if self._cross_entropy is not fp32_cross_entropy:  # compiled (compile_loss)
+            return self._cross_entropy(logits, targets, self.config.vocab_size)
+        # fp32_cross_entropy's two lines, inline: rebinding ``logits`` drops this frame's reference
+        # to the 16-bit logits before the fp32 log-softmax is made (a call would hold them: 2 B per
+        # logit more at the forward's end, measured on a GPU, docs/benchmarks.md 9.2).
+        logits = logits[..., : self.config.vocab_size].float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def compile_loss(self, **options: Any) -> None:
         """``torch.compile`` the loss of plain (not vocabulary-sharded) logits with ``options``
         (``torch.compile``'s keyword arguments). The strategies call it with their ``compile``
         options after compiling the blocks (``parallel/recipe.py``); the tensor-parallel loss
-        (DTensor logits under ``loss_parallel``) stays eager."""
+        (DTensor logits under ``loss_parallel``) stays eager. A pickled copy of the module (a
+        compiled function does not pickle) gets the eager loss: call it again after loading."""
         self._cross_entropy = torch.compile(fp32_cross_entropy, **options)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_cross_entropy"] = fp32_cross_entropy  # see compile_loss
+        return state
 
     def _data_parallel_size(self) -> int:
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}

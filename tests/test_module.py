@@ -315,3 +315,10 @@ def test_compile_loss_gives_the_eager_loss_and_gradients():
     assert compiled.dtype == torch.float32
     assert torch.equal(compiled, eager) and torch.equal(compiled_grad, eager_grad)
     assert compiled_grad[..., 250:].abs().sum() == 0  # the padding columns get no gradient
+    # A compiled function does not pickle: a pickled module (spawn launchers, torch.save) carries
+    # the eager loss instead, with the same value.
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(module))
+    assert copy._cross_entropy is fp32_cross_entropy and module._cross_entropy is not fp32_cross_entropy
+    assert torch.equal(copy.loss_fn(logits, targets), eager)
