@@ -13,6 +13,11 @@ buffers, and the peak = their sum, per pipeline rank.
 
     python benchmarks/bench_plan.py                 # every case below (about 20 minutes on 2 cores)
     python benchmarks/bench_plan.py --layouts fsdp2 --presets tiny --acs none,selective
+    python benchmarks/bench_plan.py --report-only --plot docs/img   # the table and its figure again
+
+Writes ``benchmarks/out/plan/report.json`` and ``bench_plan.json`` (the same records with their
+date, machine and command, as ``benchmarks/cpu_figures.py`` reads them and ``benchmarks/results/``
+keeps them); ``--plot DIR`` draws ``cpu-plan-vs-measured`` from it.
 
 Presets: ``tiny`` (GELU, LayerNorm, learned positions), ``small``, ``tiny-llama`` (``tiny`` with
 SwiGLU, RMSNorm, RoPE, no biases and 2 K/V heads of 4: grouped-query attention), ``tiny-moe`` (4
@@ -47,6 +52,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 from bench_common import (
     MIB,
@@ -243,6 +250,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=257, help="257: the byte tokenizer")
     p.add_argument("--mem-steps", type=int, default=3, help="steps; the last one is reported")
     p.add_argument("--report-only", action="store_true", help="print the table from earlier JSON")
+    p.add_argument("--plot", metavar="DIR", help="also draw cpu-plan-vs-measured (benchmarks/cpu_figures.py) "
+                                                 "into DIR; needs matplotlib")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--preset", help=argparse.SUPPRESS)
     p.add_argument("--ac", help=argparse.SUPPRESS)
@@ -269,6 +278,31 @@ def main() -> None:
         text, records = report(cases, args.vocab, 2)
         (OUT / "report.json").write_text(json.dumps(records, indent=1))
         print(text)
+    # The same records as benchmarks/cpu_figures.py reads them (what benchmarks/results/ keeps).
+    recorded = OUT / "bench_plan.json"
+    recorded.write_text(json.dumps(recorded_results(records, args.report_only), indent=1))
+    print(f"# recorded: {recorded}")
+    if args.plot:
+        from cpu_figures import plot_results
+
+        done = plot_results([str(recorded)], args.plot, command=" ".join(["python", *sys.argv]))
+        print(f"# figures: {done['files']}")
+
+
+def recorded_results(records: list[dict], report_only: bool) -> dict:
+    """``records`` with what ``cpu_figures.py`` needs to say where they come from."""
+    import platform
+    from datetime import datetime, timezone
+
+    import torch
+
+    # When the measurements were made (also under --report-only): the newest per-rank record.
+    measured = max((f.stat().st_mtime for f in OUT.glob("*_rank*.json")), default=datetime.now().timestamp())
+    return {"benchmark": "bench_plan", "date": f"{datetime.fromtimestamp(measured, timezone.utc):%Y-%m-%d %H:%M} UTC",
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 2 ranks",
+            "command": " ".join(["python", *sys.argv]),
+            "source": f"{OUT / 'report.json'} as this run " + ("re-read (--report-only)" if report_only else "wrote it"),
+            "records": records}
 
 
 if __name__ == "__main__":

@@ -136,3 +136,21 @@ def test_a_figure_without_data_is_skipped_and_said(tmp_path, capsys):
         assert f"# {name}: not drawn (no " in printed
     (tmp_path / "other.json").write_text(json.dumps({"benchmark": "bench_plan"}))
     assert main(["--plot", str(tmp_path / "img"), str(tmp_path / "other.json")]) == 2  # no date, machine, ...
+
+
+def test_bench_plan_records_what_cpu_figures_reads(tmp_path, monkeypatch):
+    # bench_plan.py writes bench_plan.json beside its report.json, with the fields every recorded
+    # JSON carries; --plot draws the figure from it (here: the recorded run's records).
+    pytest.importorskip("matplotlib")
+    import bench_plan
+    from cpu_figures import REQUIRED, plot_results
+
+    (tmp_path / "fsdp2_tiny_none_rank0.json").write_text("{}")  # a per-rank record: its time is the date
+    monkeypatch.setattr(bench_plan, "OUT", tmp_path)
+    data = bench_plan.recorded_results(_recorded("bench_plan")["records"], report_only=True)
+    assert all(data[field] for field in REQUIRED) and data["benchmark"] == "bench_plan"
+    assert "re-read" in data["source"] and data["date"].endswith(" UTC")
+    path = tmp_path / "bench_plan.json"
+    path.write_text(json.dumps(data))
+    result = plot_results([str(path)], str(tmp_path / "img"), command="python benchmarks/bench_plan.py --plot ...")
+    assert list(result["files"]) == ["cpu-plan-vs-measured"]
