@@ -71,7 +71,7 @@ def main() -> None:
             proc = subprocess.run(COMMAND, cwd=work, capture_output=True, text=True, timeout=600,
                                   env=dict(os.environ, PYTHONFAULTHANDLER="1"))
             took = time.perf_counter() - start
-            ok = proc.returncode == 0 and "Resuming from" in proc.stdout + proc.stderr
+            ok = proc.returncode == 0 and "resuming from" in (proc.stdout + proc.stderr).lower()
             print(f"resume {i:3d}: exit {proc.returncode}, {took:5.1f} s{'' if ok else '  FAILED'}", flush=True)
             if ok:
                 shutil.rmtree(work)
