@@ -21,7 +21,15 @@ rendered it in a footnote:
   sequence length for cp = 1, 2, 4, the budget and the longest sequence within it (linear between
   the points and beyond the last, as ``bench_cp.py`` computes it);
 - ``cpu-process-groups`` (``bench_process_groups``: section 21): process groups each rank joins
-  and ``new_group`` calls per rank, by layout, at 1,024 ranks.
+  and ``new_group`` calls per rank, by layout, at 1,024 ranks;
+- ``cpu-tp-memory`` (``bench_tp_memory``: section 10): memory per rank against tp = 1, 2, 4 (with
+  and without sequence parallel), at rest and at the step's peak, with the computed state; and the
+  activations per layer, measured (malloc, what autograd saved) against Megatron's formula and the
+  formula adapted to this model (and, with sequence parallel, the adapted one kept sharded);
+- ``cpu-pp-bubble-memory`` (``bench_pp_bubble_memory``: section 11): the bubble per schedule against
+  the number of micro-batches at p = 2 and p = 4, measured (mean and min-max over ranks) and the
+  schedule's theory; and the activation memory per stage, GPipe against 1F1B (p = 2, m = 8), with
+  the ratio expected (m / (p - stage)).
 
 A figure whose benchmark is not among the inputs is not written, and said so. As in gpu_report.py
 (whose footnote and saving this module uses): SVG text stays text, no creation date, fixed element
@@ -35,6 +43,7 @@ import json
 import os
 import shlex
 import sys
+import textwrap
 from typing import Any
 
 from gpu_report import PLOT_FORMATS
@@ -43,7 +52,8 @@ from gpu_report import _save as save_with_footnote
 REQUIRED = ("benchmark", "date", "machine", "command", "source")
 """The fields every recorded JSON carries."""
 FIGURES = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
-           "cpu-cp-memory": "bench_cp_memory", "cpu-process-groups": "bench_process_groups"}
+           "cpu-cp-memory": "bench_cp_memory", "cpu-process-groups": "bench_process_groups",
+           "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory"}
 """Figure name -> the benchmark whose JSON it is drawn from."""
 LAYOUT_MARKERS = {"fsdp2": "o", "tp": "s", "pp-1f1b": "^", "pp-interleaved": "v", "pp-gpipe": "D", "ep": "P",
                   "cp": "X"}
@@ -148,6 +158,67 @@ def group_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     calls every rank makes."""
     return [{"layout": r["layout"], "groups": len(r["sizes"]), "sizes": r["sizes"],
              "note": r.get("sizes_note", ""), "new_group_calls": r["new_group_calls"]} for r in data["rows"]]
+
+
+def tp_memory_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per tp degree and sequence-parallel setting: rest, peak and the peak's part above rest, the
+    computed state and rest / computed state."""
+    return [{"t": r["t"], "sp": r["sp"], "rest": r["rest"], "peak": r["peak"], "above_rest": r["peak"] - r["rest"],
+             "computed_state": r["computed_state"], "rest_over_computed": r["rest"] / r["computed_state"]}
+            for r in data["memory_rows"]]
+
+
+def megatron_layer_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool) -> float:
+    """Korthikanti et al. 2022's activation bytes per transformer layer (16-bit, dropout masks, a
+    stored softmax): s*b*h*(34 + 5as/h); under TP 10 + 24/t + 5as/(ht); with sequence parallel all
+    of it / t (bench_tp.py's 'megatron formula' column)."""
+    if t == 1 or sp:
+        return s * b * h * (34 + 5 * a * s / h) / t
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def tp_activation_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per case: the measured activations per layer (malloc, saved), the recorded formulas, and
+    Megatron's formula computed here from s, b, h, a (MiB)."""
+    return [{"t": r["t"], "sp": r["sp"], "malloc": r["malloc"], "saved": r["saved"], "megatron": r["megatron"],
+             "adapted": r["adapted"], "megatron_sp_adapted": r["megatron_sp_adapted"],
+             "megatron_computed": megatron_layer_bytes(data["s"], data["b"], data["h"], data["a"], r["t"],
+                                                       r["sp"] == "on") / 2**20,
+             "malloc_over_adapted": r["malloc"] / r["adapted"]} for r in data["activation_rows"]]
+
+
+def pipeline_bubble(p: int, m: int, v: int = 1) -> float:
+    """The theoretical bubble of GPipe and 1F1B (v = 1) and Interleaved1F1B (v stages per rank):
+    (p - 1) / (v * m + p - 1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def pp_bubble_series(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One series per pipeline degree and schedule: the cases run, (m, measured, least rank,
+    greatest rank, recorded theory) each, the theory computed here (None for ZBVZeroBubble, whose
+    theory bench_pp.py does not print), and the cases not run."""
+    out: list[dict[str, Any]] = []
+    for r in data["bubble_rows"]:
+        key = (r["p"], r["schedule"])
+        if not out or (out[-1]["p"], out[-1]["schedule"]) != key:
+            out.append({"p": r["p"], "schedule": r["schedule"], "v": r["v"], "points": [], "not_run": []})
+        s = out[-1]
+        if r["measured"] is None:
+            s["not_run"].append((r["m"], r["not_run"]))
+            continue
+        theory = None if r["schedule"] == "ZBVZeroBubble" else pipeline_bubble(r["p"], r["m"], r["v"])
+        s["points"].append({"m": r["m"], "measured": r["measured"], "ranks_min": r["ranks_min"],
+                            "ranks_max": r["ranks_max"], "theory": r["theory"], "theory_computed": theory})
+    return out
+
+
+def pp_memory_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per stage: GPipe's and 1F1B's activation memory, their ratio computed from the printed medians,
+    bench_pp.py's ratio (from its unrounded medians) and the expected m / (p - stage)."""
+    p, m = data["memory_p"], data["memory_m"]
+    return [{"stage": r["stage"], "gpipe": r["gpipe"], "one_f_one_b": r["one_f_one_b"],
+             "ratio": r["gpipe"] / r["one_f_one_b"], "ratio_recorded": r["gpipe_over_1f1b"],
+             "expected": m / (p - r["stage"])} for r in data["memory_rows"]]
 
 
 # ---- drawing
@@ -279,15 +350,144 @@ def _draw_groups(plt, data: dict[str, Any], note: str, path: str) -> None:
                        + note)
 
 
+def _case_label(t: int, sp: str) -> str:
+    return f"t = {t}" if sp == "-" else f"t = {t}\nSP {sp}"
+
+
+def _tp_positions(rows: list[dict[str, Any]]) -> list[float]:
+    """x of each case: consecutive within a tp degree, a gap between degrees."""
+    xs, x, last = [], -1.0, None
+    for r in rows:
+        x += 1 if r["t"] == last else 1.5
+        xs.append(x)
+        last = r["t"]
+    return xs
+
+
+SP_COLORS = {"-": "C0", "on": "C1", "off": "C2"}
+"""Section 10's sequence-parallel settings -> colour (t = 1 has none: '-')."""
+
+
+def _draw_tp(plt, data: dict[str, Any], note: str, path: str) -> None:
+    mem, acts = tp_memory_rows(data), tp_activation_rows(data)
+    fig, (ax, ax_act) = plt.subplots(1, 2, figsize=(13, 5.4))
+    xs = _tp_positions(mem)
+    for x, r in zip(xs, mem):
+        color = SP_COLORS.get(r["sp"], "C3")
+        ax.bar(x, r["rest"], 0.7, color=color)
+        ax.bar(x, r["above_rest"], 0.7, bottom=r["rest"], color=color, alpha=0.4)
+        ax.text(x, r["peak"], f"{r['peak']:.1f}", ha="center", va="bottom", fontsize=7.5)
+        ax.text(x, r["rest"] / 2, f"{r['rest']:.1f}\n({r['rest_over_computed']:.2f}x)", ha="center", va="center",
+                fontsize=7, color="white")
+        ax.hlines(r["computed_state"], x - 0.4, x + 0.4, color="black", linestyle="--", linewidth=1)
+    handles = [plt.Rectangle((0, 0), 1, 1, color="0.3"), plt.Rectangle((0, 0), 1, 1, color="0.3", alpha=0.4),
+               plt.Line2D([], [], color="black", linestyle="--", linewidth=1)]
+    ax.legend(handles, ["at rest (rest / computed state)", "the step's peak above rest",
+                        "computed state, 16 B x local elements"], fontsize=7, loc="upper right")
+    ax.set_xticks(xs, [_case_label(r["t"], r["sp"]) for r in mem], fontsize=8)
+    ax.set_xlabel("tensor-parallel degree t (ranks), sequence parallel on / off")
+    ax.set_ylabel("memory per rank, MiB (malloc bytes in use, rank 0)")
+    ax.set_ylim(0, max(r["peak"] for r in mem) * 1.12)
+    ax.set_title("memory per rank, step 2", fontsize=9)
+    xs = _tp_positions(acts)
+    width = 0.3
+    for x, r in zip(xs, acts):
+        ax_act.bar(x - width / 2, r["malloc"], width, color="C0")
+        ax_act.bar(x + width / 2, r["saved"], width, color="C4")
+        ax_act.text(x - width / 2, r["malloc"], f"{r['malloc']:.2f}", ha="center", va="bottom", fontsize=6.5)
+        ax_act.hlines(r["megatron"], x - 0.42, x + 0.42, color="black", linewidth=1.5)
+        ax_act.hlines(r["adapted"], x - 0.42, x + 0.42, color="C3", linestyle="--", linewidth=1.2)
+        if r["megatron_sp_adapted"] is not None:
+            ax_act.hlines(r["megatron_sp_adapted"], x - 0.42, x + 0.42, color="C2", linestyle=":", linewidth=1.5)
+    handles = [plt.Rectangle((0, 0), 1, 1, color="C0"), plt.Rectangle((0, 0), 1, 1, color="C4"),
+               plt.Line2D([], [], color="black", linewidth=1.5),
+               plt.Line2D([], [], color="C3", linestyle="--", linewidth=1.2),
+               plt.Line2D([], [], color="C2", linestyle=":", linewidth=1.5)]
+    ax_act.legend(handles, ["measured: malloc", "measured: what autograd saved",
+                            "Megatron's formula (16-bit, dropout masks, softmax)",
+                            "the formula adapted to this model (fp32)",
+                            "adapted, SP inputs kept sharded (Megatron's SP)"], fontsize=7, loc="upper right")
+    ax_act.set_xticks(xs, [_case_label(r["t"], r["sp"]) for r in acts], fontsize=8)
+    ax_act.set_xlabel("tensor-parallel degree t (ranks), sequence parallel on / off")
+    ax_act.set_ylabel("activations per layer, MiB (block 1 of 6, rank 0)")
+    ax_act.set_ylim(0, max(r["malloc"] for r in acts) * 1.45)
+    ax_act.set_title("activations per transformer layer against the formulas", fontsize=9)
+    fig.suptitle("Tensor parallel: memory per rank and activations per layer (bench_tp.py, fp32, gloo)", fontsize=10)
+    save_with_footnote(plt, fig, path, f"GPT 'small', n_head 8: {data['layers']} layers, h={data['h']}, "
+                                       f"a={data['a']}, batch {data['b']} x seq {data['s']}, AdamW. {note}")
+
+
+PP_SCHEDULES = {"GPipe": ("C0", "o"), "1F1B": ("C1", "s"), "Interleaved1F1B": ("C2", "^"),
+                "ZBVZeroBubble": ("C3", "D")}
+"""Section 11's schedules -> (colour, marker)."""
+
+
+def _draw_pp(plt, data: dict[str, Any], note: str, path: str) -> None:
+    series, mem = pp_bubble_series(data), pp_memory_rows(data)
+    degrees = sorted({s["p"] for s in series})
+    fig, axes = plt.subplots(1, len(degrees) + 1, figsize=(5 * len(degrees) + 4.5, 5.4),
+                             gridspec_kw={"width_ratios": [3] * len(degrees) + [2.2]})
+    ms = sorted({r["m"] for r in data["bubble_rows"]})
+    top = max(max(p["ranks_max"], p["theory"] or 0) for s in series for p in s["points"])
+    for ax, p in zip(axes, degrees):
+        mine = [s for s in series if s["p"] == p]
+        for j, s in enumerate(mine):
+            color, marker = PP_SCHEDULES.get(s["schedule"], (f"C{j + 4}", "x"))
+            shift = (j - (len(mine) - 1) / 2) * 0.09
+            pts = s["points"]
+            if not pts:
+                continue
+            xs = [ms.index(q["m"]) + shift for q in pts]
+            below = [q["measured"] - q["ranks_min"] for q in pts]
+            above = [q["ranks_max"] - q["measured"] for q in pts]
+            ax.errorbar(xs, [q["measured"] for q in pts], yerr=[below, above],
+                        color=color, marker=marker, capsize=3, linewidth=1.2, label=f"{s['schedule']} (v={s['v']})")
+            theory = [(x, q["theory"]) for x, q in zip(xs, pts) if q["theory"] is not None]
+            if theory:
+                ax.plot(*zip(*theory), color=color, marker=marker, markerfacecolor="none", linestyle="--",
+                        linewidth=0.9, alpha=0.8)
+        skipped = [f"{s['schedule']} m={m}" for s in mine for m, _ in s["not_run"]]
+        if skipped:
+            ax.text(0.02, 0.02, "\n".join(textwrap.wrap("not run (m < stages): " + ", ".join(skipped), 60)),
+                    transform=ax.transAxes, fontsize=6.5, va="bottom")
+        ax.set_xticks(range(len(ms)), [str(m) for m in ms])
+        ax.set_xlim(-0.5, len(ms) - 0.5)
+        ax.set_ylim(0, top * 1.15)
+        ax.set_xlabel("micro-batches m")
+        ax.set_title(f"bubble, p = {p} ({p} ranks on 2 cores)", fontsize=9)
+    axes[0].plot([], [], color="0.4", linestyle="--", marker="o", markerfacecolor="none", label="theory (open, dashed)")
+    axes[0].set_ylabel("bubble: idle fraction of the schedule step\n(mean over ranks, bars: least to greatest rank)")
+    axes[0].legend(fontsize=7, loc="upper right")
+    ax = axes[-1]
+    width = 0.38
+    for i, r in enumerate(mem):
+        for j, (key, name) in enumerate((("gpipe", "GPipe"), ("one_f_one_b", "1F1B"))):
+            color = PP_SCHEDULES[name][0]
+            ax.bar(i + (j - 0.5) * width, r[key], width * 0.95, color=color, label=name if i == 0 else None)
+            ax.text(i + (j - 0.5) * width, r[key], f"{r[key]:.1f}", ha="center", va="bottom", fontsize=7.5)
+        ax.text(i, max(r["gpipe"], r["one_f_one_b"]) * 1.07, f"GPipe / 1F1B {r['ratio_recorded']:.2f}\n"
+                f"expected m/(p-s) = {r['expected']:g}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(mem)), [f"stage {r['stage']}" for r in mem])
+    ax.set_ylim(0, max(r["gpipe"] for r in mem) * 1.35)
+    ax.set_ylabel("activation memory per stage, MiB\n(malloc peak during the step - the level before)")
+    ax.set_title(f"activation memory per stage\np = {data['memory_p']}, m = {data['memory_m']}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle("Pipeline parallel: bubble per schedule and activation memory, GPipe vs 1F1B (bench_pp.py, fp32, "
+                 "gloo)", fontsize=10)
+    save_with_footnote(plt, fig, path, "Theory: (p - 1) / (v*m + p - 1); none for ZBVZeroBubble. At p = 4 ranks "
+                                       "wait for a core as well as for their neighbour. " + note)
+
+
 DRAW = {"cpu-plan-vs-measured": _draw_plan, "cpu-fsdp-memory": _draw_fsdp, "cpu-cp-memory": _draw_cp,
-        "cpu-process-groups": _draw_groups}
+        "cpu-process-groups": _draw_groups, "cpu-tp-memory": _draw_tp, "cpu-pp-bubble-memory": _draw_pp}
 
 
 def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = "svg") -> dict[str, Any]:
     """Write the figures of ``inputs`` (see the module's docstring) into ``out_dir``. Returns the
     files written (``files``: figure name -> path), the figures not written and why (``skipped``),
-    and the numbers drawn (``plan``, ``fsdp_memory``, ``cp_memory``, ``process_groups``; None
-    where the benchmark is not among the inputs)."""
+    and the numbers drawn (``plan``, ``fsdp_memory``, ``cp_memory``, ``process_groups``,
+    ``tp_memory``, ``tp_activations``, ``pp_bubble``, ``pp_memory``; None where the benchmark is
+    not among the inputs)."""
     if fmt not in PLOT_FORMATS:
         raise ValueError(f"--format {fmt!r}: one of {', '.join(PLOT_FORMATS)}")
     results = load_results(inputs)
@@ -310,7 +510,11 @@ def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = 
 
     return {"files": files, "skipped": skipped, "plan": drawn("bench_plan", plan_points),
             "fsdp_memory": drawn("bench_fsdp_memory", fsdp_rows), "cp_memory": drawn("bench_cp_memory", cp_series),
-            "process_groups": drawn("bench_process_groups", group_rows)}
+            "process_groups": drawn("bench_process_groups", group_rows),
+            "tp_memory": drawn("bench_tp_memory", tp_memory_rows),
+            "tp_activations": drawn("bench_tp_memory", tp_activation_rows),
+            "pp_bubble": drawn("bench_pp_bubble_memory", pp_bubble_series),
+            "pp_memory": drawn("bench_pp_bubble_memory", pp_memory_rows)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,8 @@ def test_every_figure_is_drawn_with_its_data_machine_date_and_command(rendered):
     out, result = rendered
     assert not result["skipped"]
     names = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
-             "cpu-cp-memory": "bench_cp_memory", "cpu-process-groups": "bench_process_groups"}
+             "cpu-cp-memory": "bench_cp_memory", "cpu-process-groups": "bench_process_groups",
+             "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory"}
     assert set(result["files"]) == set(names)
     for figure, benchmark in names.items():
         assert result["files"][figure] == str(out / f"{figure}.svg")
@@ -116,6 +117,63 @@ def test_groups_figure_counts_one_group_per_rank_set_and_the_new_group_calls(ren
         assert drawn["new_group_calls"] == sum(data["world"] // s for s in row["sizes"])
 
 
+def test_tp_figure_splits_each_peak_at_rest_and_recomputes_megatrons_formula(rendered):
+    _, result = rendered
+    data = _recorded("bench_tp_memory")
+    mem = {(r["t"], r["sp"]): r for r in result["tp_memory"]}
+    assert list(mem) == [(1, "-"), (2, "on"), (2, "off"), (4, "on"), (4, "off")]
+    for row in data["memory_rows"]:
+        bar = mem[(row["t"], row["sp"])]
+        assert bar["rest"] + bar["above_rest"] == pytest.approx(row["peak"])
+        assert bar["above_rest"] == pytest.approx(row["peak_minus_rest"], abs=0.011)  # the table's own column
+        assert bar["rest_over_computed"] == pytest.approx(row["rest_over_computed"], abs=0.0006)
+        assert row["computed_state"] == pytest.approx(row["sharded_part"] + row["replicated_part"], abs=0.011)
+    # t = 1: 16 B x every parameter; t = 2, 4: the sharded part halves
+    assert mem[(1, "-")]["computed_state"] == pytest.approx(16 * data["parameters"] / 2**20, abs=0.005)
+    parts = {r["t"]: r["sharded_part"] for r in data["memory_rows"]}
+    assert parts[2] / parts[4] == pytest.approx(2, abs=0.001)
+    assert [mem[(t, "on")]["peak"] for t in (2, 4)] == [136.72, 76.06]  # section 10
+    acts = {(r["t"], r["sp"]): r for r in result["tp_activations"]}
+    for row in data["activation_rows"]:
+        drawn = acts[(row["t"], row["sp"])]
+        # Megatron's s*b*h*(34 + 5as/h) [TP: 10 + 24/t + 5as/(ht); SP: all / t] bytes, from s, b, h, a
+        assert drawn["megatron_computed"] == pytest.approx(row["megatron"], abs=0.0005)
+        assert row["malloc"] / row["megatron"] == pytest.approx(row["malloc_over_megatron"], abs=0.0006)
+        assert drawn["malloc_over_adapted"] == pytest.approx(row["malloc_over_adapted"], abs=0.0006)
+        assert row["saved"] == row["adapted"]  # saved / adapted 1.0000
+        if row["megatron_sp_adapted"] is not None:
+            assert row["malloc"] / row["megatron_sp_adapted"] == pytest.approx(row["malloc_over_megatron_sp"],
+                                                                               abs=0.0006)
+    assert (data["s"], data["b"], data["h"], data["a"]) == (128, 4, 384, 8)
+    assert acts[(1, "-")]["megatron_computed"] == 8.875  # 128 x 4 x 384 x (34 + 40/3) bytes, exactly
+
+
+def test_pp_figure_recomputes_the_bubbles_theory_and_the_memory_ratios(rendered):
+    _, result = rendered
+    data = _recorded("bench_pp_bubble_memory")
+    series = {(s["p"], s["schedule"]): s for s in result["pp_bubble"]}
+    assert list(series) == [(p, s) for p in (2, 4) for s in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")]
+    drawn = [q for s in series.values() for q in s["points"]]
+    assert len(drawn) + sum(len(s["not_run"]) for s in series.values()) == len(data["bubble_rows"]) == 24
+    assert len(drawn) == 16  # 10 at p = 2, 6 at p = 4; 8 cases not run (m < the stages)
+    for s in series.values():
+        for q in s["points"]:
+            assert q["ranks_min"] <= q["measured"] <= q["ranks_max"]
+            if s["schedule"] == "ZBVZeroBubble":
+                assert q["theory"] is None and q["theory_computed"] is None
+            else:  # (p - 1) / (v*m + p - 1), printed to 3 decimals
+                assert q["theory_computed"] == pytest.approx(q["theory"], abs=0.0005), (s["p"], s["schedule"], q["m"])
+    assert series[(4, "GPipe")]["not_run"] == [(2, "m < 4 stages")]
+    assert [m for m, _ in series[(4, "Interleaved1F1B")]["not_run"]] == [2, 4]
+    mem = result["pp_memory"]
+    assert [r["stage"] for r in mem] == [0, 1]
+    for drawn_row, row in zip(mem, data["memory_rows"], strict=True):
+        # bench_pp's ratio is from its unrounded medians: within 0.02 of the printed ones' (7.087 vs 7.07)
+        assert drawn_row["ratio"] == pytest.approx(row["gpipe_over_1f1b"], abs=0.02)
+        assert drawn_row["expected"] == row["expected"]  # m / (p - stage)
+    assert [r["expected"] for r in mem] == [4.0, 8.0]
+
+
 def test_rendering_twice_writes_the_same_bytes(rendered, tmp_path):
     from cpu_figures import plot_results
 
@@ -132,7 +190,7 @@ def test_a_figure_without_data_is_skipped_and_said(tmp_path, capsys):
     assert main(["--plot", str(tmp_path), str(RESULTS / "bench_process_groups.json")]) == 0
     printed = capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["cpu-process-groups.svg"]
-    for name in ("cpu-plan-vs-measured", "cpu-fsdp-memory", "cpu-cp-memory"):
+    for name in ("cpu-plan-vs-measured", "cpu-fsdp-memory", "cpu-cp-memory", "cpu-tp-memory", "cpu-pp-bubble-memory"):
         assert f"# {name}: not drawn (no " in printed
     (tmp_path / "other.json").write_text(json.dumps({"benchmark": "bench_plan"}))
     assert main(["--plot", str(tmp_path / "img"), str(tmp_path / "other.json")]) == 2  # no date, machine, ...
