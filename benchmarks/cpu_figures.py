@@ -30,6 +30,12 @@ rendered it in a footnote:
   the number of micro-batches at p = 2 and p = 4, measured (mean and min-max over ranks) and the
   schedule's theory; and the activation memory per stage, GPipe against 1F1B (p = 2, m = 8), with
   the ratio expected (m / (p - stage)).
+- ``cpu-sac`` (``bench_sac``: section 7): per model shape, the activation memory kept for backward
+  against the step's CPU time for each activation checkpointing policy, both against ``none``,
+  with the GFLOP each recomputes;
+- ``cpu-moe`` (``bench_moe_quality``: section 14): MoE (with and without the balancing bias) against
+  the dense model of equal active parameters, held-out loss and tokens/s (median, p10-p90); and the
+  max/mean expert load per block along training, with and without the bias.
 
 A figure whose benchmark is not among the inputs is not written, and said so. As in gpu_report.py
 (whose footnote and saving this module uses): SVG text stays text, no creation date, fixed element
@@ -53,7 +59,8 @@ REQUIRED = ("benchmark", "date", "machine", "command", "source")
 """The fields every recorded JSON carries."""
 FIGURES = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
            "cpu-cp-memory": "bench_cp_memory", "cpu-process-groups": "bench_process_groups",
-           "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory"}
+           "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory",
+           "cpu-sac": "bench_sac", "cpu-moe": "bench_moe_quality"}
 """Figure name -> the benchmark whose JSON it is drawn from."""
 LAYOUT_MARKERS = {"fsdp2": "o", "tp": "s", "pp-1f1b": "^", "pp-interleaved": "v", "pp-gpipe": "D", "ep": "P",
                   "cp": "X"}
@@ -219,6 +226,38 @@ def pp_memory_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"stage": r["stage"], "gpipe": r["gpipe"], "one_f_one_b": r["one_f_one_b"],
              "ratio": r["gpipe"] / r["one_f_one_b"], "ratio_recorded": r["gpipe_over_1f1b"],
              "expected": m / (p - r["stage"])} for r in data["memory_rows"]]
+
+
+def sac_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per shape and policy: saved MiB, recomputed GFLOP, step CPU s, and saved MiB and step CPU s
+    over the shape's ``none`` computed here (bench_sac.py's 'vs none' columns, printed to 2 decimals)."""
+    none = {r["shape"]: r for r in data["rows"] if r["policy"] == "none"}
+    return [{"shape": r["shape"], "policy": r["policy"], "saved_mib": r["saved_mib"],
+             "recomputed_gflop": r["recomputed_gflop"], "step_cpu_s": r["step_cpu_s"],
+             "saved_vs_none": r["saved_mib"] / none[r["shape"]]["saved_mib"],
+             "step_vs_none": r["step_cpu_s"] / none[r["shape"]]["step_cpu_s"]} for r in data["rows"]]
+
+
+def moe_model_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per model: held-out loss, tokens/s (median, p10, p90), tokens/s and loss against dense's."""
+    dense = next(r for r in data["models"] if r["model"] == "dense")
+    return [{"model": r["model"], "params": r["params"], "active_params": r["active_params"],
+             "val_loss": r["val_loss"], "loss_minus_dense": r["val_loss"] - dense["val_loss"],
+             "tok_per_s": r["tok_per_s_median"], "p10": r["tok_per_s_p10"], "p90": r["tok_per_s_p90"],
+             "vs_dense": r["tok_per_s_median"] / dense["tok_per_s_median"]} for r in data["models"]]
+
+
+def moe_load_series(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """With and without the bias: the steps, each block's max/mean load along them, and per step the
+    mean, least and greatest over the blocks."""
+    steps = [r["step"] for r in data["load_rows"]]
+    out = {}
+    for key in ("with_bias", "without_bias"):
+        per_step = [r[key] for r in data["load_rows"]]
+        out[key] = {"steps": steps, "blocks": [list(b) for b in zip(*per_step)],
+                    "mean": [sum(v) / len(v) for v in per_step], "least": [min(v) for v in per_step],
+                    "greatest": [max(v) for v in per_step]}
+    return out
 
 
 # ---- drawing
@@ -478,16 +517,97 @@ def _draw_pp(plt, data: dict[str, Any], note: str, path: str) -> None:
                                        "wait for a core as well as for their neighbour. " + note)
 
 
+SAC_POLICIES = {"none": ("C0", "o"), "selective": ("C1", "s"), "selective every_other": ("C2", "^"),
+                "block k=2": ("C4", "v"), "full": ("C3", "D")}
+"""Section 7's policies -> (colour, marker)."""
+
+
+def _draw_sac(plt, data: dict[str, Any], note: str, path: str) -> None:
+    rows = sac_rows(data)
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 5.2))
+    for ax, shape in zip(axes, shapes):
+        mine = [r for r in rows if r["shape"] == shape]
+        for r in mine:
+            color, marker = SAC_POLICIES.get(r["policy"], ("C5", "x"))
+            ax.plot(r["saved_mib"], r["step_cpu_s"], marker=marker, color=color, markersize=8, linestyle="none",
+                    label=f"{r['policy']}: {r['saved_mib']:.1f} MiB ({r['saved_vs_none']:.2f}x), {r['step_cpu_s']:.3f} s "
+                          f"({r['step_vs_none']:.2f}x), recomputes {r['recomputed_gflop']:.2f} GFLOP")
+        top_mib = max(r["saved_mib"] for r in mine)
+        times = [r["step_cpu_s"] for r in mine]
+        ax.set_xlim(0, top_mib * 1.1)
+        spread = max(times) - min(times)
+        ax.set_ylim(min(times) - 0.5 * spread, max(times) + 0.1 * spread)  # room for the legend below
+        ax.set_xlabel("activations saved for backward, MiB (after forward, each storage once)")
+        ax.set_title(shape, fontsize=9)
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0].set_ylabel("step CPU time, s (best of 3 interleaved steps)")
+    fig.suptitle(f"Activation checkpointing: memory kept against step time per policy (bench_sac.py, "
+                 f"{data['setting']})", fontsize=10)
+    save_with_footnote(plt, fig, path, "In the legend: saved MiB and step CPU time, over the shape's none; GFLOP of "
+                                       "matmul/attention recomputed in backward (selective reruns only pointwise "
+                                       "ops). " + note)
+
+
+MOE_COLORS = {"dense": "C0", "moe (bias 1e-3)": "C1", "moe_nobias": "C3"}
+"""Section 14's models -> colour."""
+
+
+def _draw_moe(plt, data: dict[str, Any], note: str, path: str) -> None:
+    models, load = moe_model_rows(data), moe_load_series(data)
+    fig, (ax_loss, ax_tok, ax_load) = plt.subplots(1, 3, figsize=(15, 5.2), gridspec_kw={"width_ratios": [2, 2, 3.4]})
+    xs = range(len(models))
+    colors = [MOE_COLORS.get(r["model"], "C5") for r in models]
+    labels = [f"{r['model']}\n{r['active_params'] / 1e6:.2f}M active\nof {r['params'] / 1e6:.2f}M" for r in models]
+    ax_loss.bar(xs, [r["val_loss"] for r in models], 0.6, color=colors)
+    for x, r in zip(xs, models):
+        ax_loss.text(x, r["val_loss"], f"{r['val_loss']:.3f}" + (f"\n({r['loss_minus_dense']:+.3f})"
+                     if r["model"] != "dense" else ""), ha="center", va="bottom", fontsize=7.5)
+    low = min(r["val_loss"] for r in models)
+    ax_loss.set_ylim(low - 0.15, max(r["val_loss"] for r in models) + 0.06)
+    ax_loss.set_xticks(list(xs), labels, fontsize=7.5)
+    ax_loss.set_ylabel(f"held-out loss after {data['steps']} steps (mean of 20 val batches)")
+    ax_loss.set_title("held-out loss (the axis does not start at 0)", fontsize=9)
+    ax_tok.bar(xs, [r["tok_per_s"] for r in models], 0.6, color=colors,
+               yerr=[[r["tok_per_s"] - r["p10"] for r in models], [r["p90"] - r["tok_per_s"] for r in models]],
+               capsize=4, ecolor="0.3")
+    for x, r in zip(xs, models):
+        ax_tok.text(x, 150, f"{r['tok_per_s']:,}\n{r['vs_dense']:.2f}x dense", ha="center", va="bottom",
+                    fontsize=7.5, color="white")
+    ax_tok.set_ylim(0, max(r["p90"] for r in models) * 1.1)
+    ax_tok.set_xticks(list(xs), labels, fontsize=7.5)
+    ax_tok.set_ylabel("tokens/s, median (bars: p10-p90 of the steps)")
+    ax_tok.set_title("throughput, the three models in lockstep", fontsize=9)
+    for key, name in (("with_bias", "moe (bias 1e-3)"), ("without_bias", "moe_nobias")):
+        s, color = load[key], MOE_COLORS[name]
+        for block in s["blocks"]:
+            ax_load.plot(s["steps"], block, color=color, linewidth=0.7, alpha=0.45)
+        ax_load.plot(s["steps"], s["mean"], color=color, linewidth=2, marker="o", markersize=4,
+                     label=f"{'with' if key == 'with_bias' else 'without'} the bias: mean of the {data['blocks']} "
+                           "blocks (thin: each block)")
+    ax_load.axhline(1.0, color="black", linestyle="--", linewidth=1, label="1.0: every expert equally loaded")
+    ax_load.set_xticks(load["with_bias"]["steps"])
+    ax_load.set_ylim(0, data["experts"] / 2 * 1.1)
+    ax_load.set_xlabel("training step")
+    ax_load.set_ylabel(f"max/mean tokens per expert ({data['experts']} experts, top-2)")
+    ax_load.set_title("load balance with and without the balancing bias", fontsize=9)
+    ax_load.legend(fontsize=7, loc="lower right")
+    fig.suptitle("Mixture of experts against dense at equal active parameters (bench_moe.py quality, fp32, "
+                 "2,048 tokens per step)", fontsize=10)
+    save_with_footnote(plt, fig, path, "4.0 = half of all assignments on one of the 8 experts. " + note)
+
+
 DRAW = {"cpu-plan-vs-measured": _draw_plan, "cpu-fsdp-memory": _draw_fsdp, "cpu-cp-memory": _draw_cp,
-        "cpu-process-groups": _draw_groups, "cpu-tp-memory": _draw_tp, "cpu-pp-bubble-memory": _draw_pp}
+        "cpu-process-groups": _draw_groups, "cpu-tp-memory": _draw_tp, "cpu-pp-bubble-memory": _draw_pp,
+        "cpu-sac": _draw_sac, "cpu-moe": _draw_moe}
 
 
 def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = "svg") -> dict[str, Any]:
     """Write the figures of ``inputs`` (see the module's docstring) into ``out_dir``. Returns the
     files written (``files``: figure name -> path), the figures not written and why (``skipped``),
     and the numbers drawn (``plan``, ``fsdp_memory``, ``cp_memory``, ``process_groups``,
-    ``tp_memory``, ``tp_activations``, ``pp_bubble``, ``pp_memory``; None where the benchmark is
-    not among the inputs)."""
+    ``tp_memory``, ``tp_activations``, ``pp_bubble``, ``pp_memory``, ``sac``, ``moe_models``,
+    ``moe_load``; None where the benchmark is not among the inputs)."""
     if fmt not in PLOT_FORMATS:
         raise ValueError(f"--format {fmt!r}: one of {', '.join(PLOT_FORMATS)}")
     results = load_results(inputs)
@@ -514,7 +634,9 @@ def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = 
             "tp_memory": drawn("bench_tp_memory", tp_memory_rows),
             "tp_activations": drawn("bench_tp_memory", tp_activation_rows),
             "pp_bubble": drawn("bench_pp_bubble_memory", pp_bubble_series),
-            "pp_memory": drawn("bench_pp_bubble_memory", pp_memory_rows)}
+            "pp_memory": drawn("bench_pp_bubble_memory", pp_memory_rows), "sac": drawn("bench_sac", sac_rows),
+            "moe_models": drawn("bench_moe_quality", moe_model_rows),
+            "moe_load": drawn("bench_moe_quality", moe_load_series)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,8 @@ def test_every_figure_is_drawn_with_its_data_machine_date_and_command(rendered):
     assert not result["skipped"]
     names = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
              "cpu-cp-memory": "bench_cp_memory", "cpu-process-groups": "bench_process_groups",
-             "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory"}
+             "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory",
+             "cpu-sac": "bench_sac", "cpu-moe": "bench_moe_quality"}
     assert set(result["files"]) == set(names)
     for figure, benchmark in names.items():
         assert result["files"][figure] == str(out / f"{figure}.svg")
@@ -174,6 +175,58 @@ def test_pp_figure_recomputes_the_bubbles_theory_and_the_memory_ratios(rendered)
     assert [r["expected"] for r in mem] == [4.0, 8.0]
 
 
+def test_sac_figure_recomputes_each_policys_memory_and_time_against_none(rendered):
+    _, result = rendered
+    data = _recorded("bench_sac")
+    drawn = {(r["shape"], r["policy"]): r for r in result["sac"]}
+    policies = ["none", "selective", "selective every_other", "block k=2", "full"]
+    assert list(drawn) == [(shape, p) for shape in ("small", "gpt2-124m") for p in policies]
+    for row in data["rows"]:
+        point = drawn[(row["shape"], row["policy"])]
+        assert (point["saved_mib"], point["step_cpu_s"]) == (row["saved_mib"], row["step_cpu_s"])
+        # saved MiB and step CPU s over the shape's none, as bench_sac's 'vs none' columns print them
+        assert point["saved_vs_none"] == pytest.approx(row["saved_vs_none"], abs=0.005)
+        assert point["step_vs_none"] == pytest.approx(row["step_vs_none"], abs=0.005)
+    for shape in ("small", "gpt2-124m"):
+        # selective recomputes no matmul/attention; full reruns every block: twice block k=2's
+        assert drawn[(shape, "selective")]["recomputed_gflop"] == 0
+        assert drawn[(shape, "full")]["recomputed_gflop"] == pytest.approx(
+            2 * drawn[(shape, "block k=2")]["recomputed_gflop"], abs=0.011)
+        # each policy keeps less than none and costs more time; full keeps the least
+        kept = {p: drawn[(shape, p)]["saved_mib"] for p in policies}
+        assert min(kept, key=kept.get) == "full" and max(kept, key=kept.get) == "none"
+        assert all(drawn[(shape, p)]["step_vs_none"] > 1 for p in policies[1:])
+    assert drawn[("gpt2-124m", "full")]["saved_vs_none"] == pytest.approx(0.31, abs=0.005)  # section 7: 0.31x
+
+
+def test_moe_figure_recomputes_throughput_against_dense_and_the_load_per_step(rendered):
+    _, result = rendered
+    data = _recorded("bench_moe_quality")
+    models = {r["model"]: r for r in result["moe_models"]}
+    assert list(models) == ["dense", "moe (bias 1e-3)", "moe_nobias"]
+    for row in data["models"]:
+        drawn = models[row["model"]]
+        assert drawn["tok_per_s"] == row["tok_per_s_median"] and drawn["p10"] <= drawn["tok_per_s"] <= drawn["p90"]
+        assert drawn["vs_dense"] == pytest.approx(row["vs_dense"], abs=0.005)  # median / dense's median
+    # equal active parameters: the MoE's active count within 0.1% of dense's; the loss 0.01-0.05 worse
+    assert models["moe_nobias"]["active_params"] == pytest.approx(models["dense"]["params"], rel=0.001)
+    assert [round(models[m]["loss_minus_dense"], 3) for m in ("moe (bias 1e-3)", "moe_nobias")] == [0.046, 0.014]
+    load = result["moe_load"]
+    rows = data["load_rows"]
+    assert load["with_bias"]["steps"] == [0, 25, 50, 75, 100, 125, 150, 175, 199]
+    for key in ("with_bias", "without_bias"):
+        s = load[key]
+        assert len(s["blocks"]) == data["blocks"] == 4
+        assert s["mean"] == pytest.approx([sum(r[key]) / 4 for r in rows])
+        assert all(1 <= x <= data["experts"] / 2 for block in s["blocks"] for x in block)  # top-2 of 8: at most 4
+    assert load["without_bias"]["blocks"][3] == [r["without_bias"][3] for r in rows]  # block 3 along the steps
+    assert rows[0]["with_bias"] == rows[0]["without_bias"]  # step 0: the same start
+    # the section's reading: at the last step 1.6-2.2 with the bias, 2.1-3.5 without
+    assert (load["with_bias"]["least"][-1], load["with_bias"]["greatest"][-1]) == (1.57, 2.24)
+    assert (load["without_bias"]["least"][-1], load["without_bias"]["greatest"][-1]) == (2.1, 3.53)
+    assert all(w < wo for w, wo in zip(load["with_bias"]["mean"][1:], load["without_bias"]["mean"][1:]))
+
+
 def test_rendering_twice_writes_the_same_bytes(rendered, tmp_path):
     from cpu_figures import plot_results
 
@@ -190,7 +243,8 @@ def test_a_figure_without_data_is_skipped_and_said(tmp_path, capsys):
     assert main(["--plot", str(tmp_path), str(RESULTS / "bench_process_groups.json")]) == 0
     printed = capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["cpu-process-groups.svg"]
-    for name in ("cpu-plan-vs-measured", "cpu-fsdp-memory", "cpu-cp-memory", "cpu-tp-memory", "cpu-pp-bubble-memory"):
+    for name in ("cpu-plan-vs-measured", "cpu-fsdp-memory", "cpu-cp-memory", "cpu-tp-memory", "cpu-pp-bubble-memory",
+                 "cpu-sac", "cpu-moe"):
         assert f"# {name}: not drawn (no " in printed
     (tmp_path / "other.json").write_text(json.dumps({"benchmark": "bench_plan"}))
     assert main(["--plot", str(tmp_path / "img"), str(tmp_path / "other.json")]) == 2  # no date, machine, ...
