@@ -84,7 +84,9 @@ def prepare(
         shard_size: tokens per shard (llm.c and modded-nanogpt use 100M).
         num_proc: tokenizer processes; default all CPU cores.
         text_field: the text column of json/parquet/hub sources.
-        split, dataset_config, streaming: passed to `datasets.load_dataset` for hub datasets.
+        split: the split of a hub dataset to read (`datasets.load_dataset`'s `split`).
+        dataset_config: the configuration name of a hub dataset (`datasets.load_dataset`'s `name`).
+        streaming: stream a hub dataset instead of downloading it whole.
         max_docs: stop after this many documents (smoke tests, quick experiments).
         progress: show a tqdm bar counting tokens.
     """
