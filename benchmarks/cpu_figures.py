@@ -38,8 +38,8 @@ rendered it in a footnote:
   max/mean expert load per block along training, with and without the bias.
 
 A figure whose benchmark is not among the inputs is not written, and said so. As in gpu_report.py
-(whose footnote and saving this module uses): SVG text stays text, no creation date, fixed element
-ids, so the same inputs and command render the same bytes.
+(both save through ``figure_output.py``): SVG text stays text, no creation date, fixed element ids,
+so the same inputs and command render the same bytes.
 """
 
 from __future__ import annotations
@@ -47,13 +47,10 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shlex
-import sys
 import textwrap
 from typing import Any
 
-from gpu_report import PLOT_FORMATS
-from gpu_report import _save as save_with_footnote
+from figure_output import PLOT_FORMATS, check_format, render_command, run_plot, save_with_footnote
 
 REQUIRED = ("benchmark", "date", "machine", "command", "source")
 """The fields every recorded JSON carries."""
@@ -608,8 +605,7 @@ def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = 
     and the numbers drawn (``plan``, ``fsdp_memory``, ``cp_memory``, ``process_groups``,
     ``tp_memory``, ``tp_activations``, ``pp_bubble``, ``pp_memory``, ``sac``, ``moe_models``,
     ``moe_load``; None where the benchmark is not among the inputs)."""
-    if fmt not in PLOT_FORMATS:
-        raise ValueError(f"--format {fmt!r}: one of {', '.join(PLOT_FORMATS)}")
+    check_format(fmt)
     results = load_results(inputs)
     from lightning_disttrain.planning.plot import pyplot  # matplotlib on Agg, or what to install
 
@@ -649,18 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="recorded results (JSON files with benchmark, date, machine, command, source), or "
                         "directories holding them")
     args = p.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    command = "python benchmarks/cpu_figures.py " + " ".join(shlex.quote(a) for a in argv)
-    try:
-        result = plot_results(args.inputs, args.plot, command, args.format)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for name, path in result["files"].items():
-        print(f"# {name}: {path} ({os.path.getsize(path):,} bytes)")
-    for name, why in result["skipped"].items():
-        print(f"# {name}: not drawn ({why})")
-    return 0
+    return run_plot(plot_results, args.inputs, args.plot, render_command("cpu_figures.py", argv), args.format)
 
 
 if __name__ == "__main__":

@@ -43,15 +43,17 @@ import datetime
 import glob
 import json
 import os
-import shlex
-import sys
-import textwrap
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+try:  # as a script (benchmarks/ on the path) or as benchmarks.gpu_report from the repository root
+    from figure_output import PLOT_FORMATS, check_format, render_command, run_plot, save_with_footnote
+except ImportError:
+    from benchmarks.figure_output import PLOT_FORMATS, check_format, render_command, run_plot, save_with_footnote
 
 
 def deadline_from_env() -> float | None:
@@ -144,7 +146,6 @@ def merge_reports(out: str) -> dict[str, Any]:
 # ---- figures (--plot): the recorded JSONs of gpu_bench.py / gpu_paths.py as charts
 
 FIGURES = ("gpu-throughput", "gpu-fp8-speedup", "gpu-sac", "gpu-async-save")
-PLOT_FORMATS = ("svg", "png")
 POLICY_MARKERS = {"none": "o", "selective": "s", "full": "^"}
 RECIPE_ORDER = ("tensorwise", "rowwise")
 
@@ -288,15 +289,6 @@ def _machine(runs: list[dict[str, Any]], used: list[str], kind: str) -> str:
     return f"{'; '.join(machines)}; data ({kind}): {dates}"
 
 
-def _save(plt, fig, path: str, footnote: str, right: float = 1.0) -> None:
-    lines = textwrap.wrap(footnote, int(fig.get_figwidth() * 19))  # ~19 characters of 6.5 pt per inch
-    fig.text(0.01, 0.01, "\n".join(lines), fontsize=6.5, color="gray", va="bottom")
-    fig.tight_layout(rect=(0, 0.012 + 0.022 * len(lines) * 6.0 / fig.get_figheight(), right, 1))
-    # no creation date in an SVG: the same inputs write the same file (element ids: svg.hashsalt)
-    fig.savefig(path, **({"metadata": {"Date": None}} if path.endswith(".svg") else {}))
-    plt.close(fig)
-
-
 def _draw_throughput(plt, rows, note: str, path: str) -> None:
     labels = [f"{r['run']} {r['section']}: {r['model']}, {r['precision']}" for r in rows]
     precisions = list(dict.fromkeys(r["precision"] for r in rows))
@@ -322,7 +314,7 @@ def _draw_throughput(plt, rows, note: str, path: str) -> None:
     ax_mfu.set_xlabel("MFU, % of the dense bf16 peak")
     ax_mfu.legend(loc="upper right", fontsize=7)
     fig.suptitle("Throughput per run and row (gpu_bench.py): tokens/s and MFU", fontsize=10)
-    _save(plt, fig, path, "MFU of the fp8 rows against the bf16 peak too, so that rows compare. " + note)
+    save_with_footnote(plt, fig, path, "MFU of the fp8 rows against the bf16 peak too, so that rows compare. " + note)
 
 
 def _draw_fp8(plt, speedups, note: str, path: str) -> None:
@@ -355,7 +347,7 @@ def _draw_fp8(plt, speedups, note: str, path: str) -> None:
     ax.set_ylabel("tokens/s of float8 / tokens/s of bf16")
     ax.legend(loc="upper left", fontsize=7, ncol=2)
     ax.set_title("float8 (torchao) speedup over bf16 per recipe and model width (gpu_bench.py)", fontsize=10)
-    _save(plt, fig, path, note)
+    save_with_footnote(plt, fig, path, note)
 
 
 def _draw_sac(plt, series, note: str, path: str) -> None:
@@ -385,7 +377,7 @@ def _draw_sac(plt, series, note: str, path: str) -> None:
     ax.set_ylim(0, None)
     models = "; ".join(dict.fromkeys(s["model"] for s in series))
     ax.set_title(f"Activation checkpointing (gpu_sac.py): memory kept against step time\n{models}", fontsize=10)
-    _save(plt, fig, path, note, right=0.8)  # the legends right of the axes
+    save_with_footnote(plt, fig, path, note, right=0.8)  # the legends right of the axes
 
 
 def _draw_async(plt, saves, note: str, path: str) -> None:
@@ -410,15 +402,14 @@ def _draw_async(plt, saves, note: str, path: str) -> None:
     ax.set_title(f"Checkpoint save, blocking time per save, sync vs async ({gb})\n{where}", fontsize=10)
     waits = "; ".join(f"{s['run']}: " + " / ".join(f"{w:.2f}" for w in s["async_previous_write_wait_s"])
                       for s in saves)
-    _save(plt, fig, path, f"async: wait for the previous write before each save, untimed, s: {waits}. {note}")
+    save_with_footnote(plt, fig, path, f"async: wait for the previous write before each save, untimed, s: {waits}. {note}")
 
 
 def plot_reports(inputs: list[str], out_dir: str, command: str = "", fmt: str = "svg") -> dict[str, Any]:
     """Write the figures of ``inputs`` (see the module's docstring) into ``out_dir``. Returns the
     files written (``files``: figure name -> path), the figures not written and why (``skipped``),
     and each figure's data (``throughput``, ``fp8_speedup``, ``sac``, ``async_save``)."""
-    if fmt not in PLOT_FORMATS:
-        raise ValueError(f"--format {fmt!r}: one of {', '.join(PLOT_FORMATS)}")
+    check_format(fmt)
     runs = load_runs(inputs)
     data = {"throughput": throughput_rows(runs), "fp8_speedup": fp8_speedups(runs), "sac": sac_series(runs),
             "async_save": async_saves(runs)}
@@ -470,17 +461,8 @@ def main(argv: list[str] | None = None) -> int:
             if s:
                 print(f"#   {part}: {json.dumps(s)[:400]}")
     if args.plot:
-        argv = sys.argv[1:] if argv is None else argv
-        command = "python benchmarks/gpu_report.py " + " ".join(shlex.quote(a) for a in argv)
-        try:
-            result = plot_reports(args.inputs or [args.merge], args.plot, command, args.format)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        for name, path in result["files"].items():
-            print(f"# {name}: {path} ({os.path.getsize(path):,} bytes)")
-        for name, why in result["skipped"].items():
-            print(f"# {name}: not drawn ({why})")
+        return run_plot(plot_reports, args.inputs or [args.merge], args.plot,
+                        render_command("gpu_report.py", argv), args.format)
     return 0
 
 

@@ -235,10 +235,12 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
         from lightning_disttrain.parallel.compile import apply_compile  # imports torch._dynamo
 
         apply_compile(plan.blocks, **compile_options)
+        compiled = f"compile: {len(plan.block_list)} blocks"
         compile_loss = getattr(module, "compile_loss", None)  # GPTModule's: the fp32 cross-entropy
         if callable(compile_loss):
             compile_loss(**compile_options)
-        done.steps.append(f"compile: {len(plan.block_list)} blocks" + (" + the loss" if callable(compile_loss) else ""))
+            compiled += " + the loss"
+        done.steps.append(compiled)
     stage("compile")
     # 8. FSDP2 per block, per plan group, then the root: outermost, so its hooks stay outside
     #    compiled and checkpointed code. Modules sharing a parameter must share a unit.

@@ -40,9 +40,9 @@ the gathered keys and values per block (``activations``: measured to the byte on
 Logits: s*b*V/t elements (the head is vocabulary-parallel under tp, with loss parallel). The loss
 (``GPTModule.loss_fn``: an fp32 log-softmax) keeps its fp32 output for backward (4 B), and its
 backward holds two fp32 gradients beside it, the incoming one and the input's (8 B): 12 B per
-element at the loss's backward in every precision (the forward's end, logits + fp32 copy +
-log-softmax output, is 10 B in 16-bit and 12 B in fp32: never more). Measured: the loss alone on
-CPU, 12.1 B at its backward and 10.2 B at the forward's end in bf16
+element at the loss's backward in every precision (the forward's end is less: the fp32 copy and
+the log-softmax output, 8 B, in 16-bit; 12 B in fp32, whose padded-vocabulary slice is copied).
+Measured: the loss alone on CPU, 12.1 B at its backward and 8.1 B at the forward's end in bf16
 (``tests/planning/test_logit_bytes.py``), and gpt2-124m on one H200 (``gpu_paths.py
 plan_memory``, docs/benchmarks.md 9.2). Without a pipeline the logits themselves are freed when
 the training step returns; a pipeline's last stage keeps each micro-batch's stage output (the
