@@ -245,6 +245,13 @@ def _probe_micro_pipeline_tp() -> None:
 _SCHEDULES = "torch.distributed.pipelining.schedules"
 _DCP = "torch.distributed.checkpoint"
 
+LSE_ATTENTION_OPS: tuple[str, ...] = (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
+"""The aten kernels ``attention_with_lse`` / ``attention_with_lse_backward`` call (CPU; CUDA flash; CUDA
+memory-efficient)."""
+
 PRIVATES: tuple[Private, ...] = (
     # -- dispatch: which storages an op writes (materialize) or allocates (activation memory) --
     Private("torch.utils._python_dispatch:TorchDispatchMode",
@@ -410,6 +417,12 @@ PRIVATES: tuple[Private, ...] = (
             "none: they go into torch.utils.checkpoint.SAC_IGNORED_OPS (public, in its __all__), the set torch "
             "itself fills with ops whose count differs between forward and recomputation (detach)",
             _profiler_ops),
+    # -- attention kernels that return the log-sum-exp (ring attention) --
+    Private(f"torch.ops.aten:{'/'.join(LSE_ATTENTION_OPS)}",
+            "fused attention of one block that also returns each query's log-sum-exp, and the backward that "
+            "takes a given output and log-sum-exp (ring attention merges blocks exactly with them)",
+            "none in torch 2.13 (F.scaled_dot_product_attention returns the output only)",
+            lambda: [_resolve("torch", f"ops.aten.{name}.default") for name in LSE_ATTENTION_OPS]),
     # -- compile --
     Private("torch._dynamo.utils:get_compilation_metrics",
             "one record per dynamo compile with the guard failure that caused it (recompilation warnings)",
@@ -624,6 +637,78 @@ def funcol() -> Any:
 def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
     """``torch._foreach_mul_``: multiply each tensor in place by ``scalar`` (one fused kernel)."""
     _get("torch:_foreach_mul_")(tensors, scalar)
+
+
+# -- attention with its log-sum-exp (ring attention) -----------------------------------------
+
+_LSE_OPS = f"torch.ops.aten:{'/'.join(LSE_ATTENTION_OPS)}"
+EFFICIENT_LSE_ALIGN = 32
+"""CUDA's memory-efficient kernel pads its log-sum-exp to a multiple of this many queries."""
+
+
+def _lse_op(name: str) -> Any:
+    _guard_version()
+    try:
+        return getattr(torch.ops.aten, name).default
+    except (AttributeError, RuntimeError):
+        raise _fail(f"torch.ops.aten.{name}", _entry(_LSE_OPS).why) from None
+
+
+def lse_kernel(q: torch.Tensor) -> str:
+    """Which kernel ``attention_with_lse`` runs for queries like ``q`` (B, H, L, D): ``"cpu"``
+    (CPU's flash kernel, any float dtype), ``"flash"`` (CUDA, bf16/fp16, head_dim <= 256 and a
+    multiple of 8) or ``"efficient"`` (CUDA, any other float dtype or head_dim: fp32 included).
+    None of them materialises the block's score matrix."""
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type != "cuda":
+        raise ValueError(f"ring attention runs on CPU and CUDA tensors; these are on {q.device.type}")
+    if q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) <= 256 and q.size(-1) % 8 == 0:
+        return "flash"
+    return "efficient"
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` (B, H, Lq, D) over ``k``, ``v`` (B, H, Lk, D) without dropout, with
+    ``is_causal`` the upper-left (square) causal mask: (output like ``q``, log-sum-exp (B, H, Lq)
+    in float32)."""
+    kind = lse_kernel(q)
+    if kind == "cpu":
+        out, lse = _lse_op("_scaled_dot_product_flash_attention_for_cpu")(q, k, v, 0.0, is_causal, scale=scale)
+    elif kind == "flash":
+        out, lse = _lse_op("_scaled_dot_product_flash_attention")(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+    else:
+        out, lse = _lse_op("_scaled_dot_product_efficient_attention")(q, k, v, None, True, 0.0, is_causal,
+                                                                      scale=scale)[:2]
+        lse = lse[..., :q.size(2)]  # padded to a multiple of EFFICIENT_LSE_ALIGN queries
+    return out, lse.float()
+
+
+def attention_with_lse_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+                                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of ``attention_with_lse`` given the output ``out`` and log-sum-exp
+    ``lse`` (B, H, Lq, float32) to take the probabilities from: those of the whole row's softmax
+    when the block is one of several merged (the ring), so each block's gradients are exact."""
+    kind = lse_kernel(q)
+    if kind == "cpu":
+        return _lse_op("_scaled_dot_product_flash_attention_for_cpu_backward")(
+            grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+    if kind == "flash":
+        # Dense inputs, no dropout: no cumulative lengths (None: not varlen), the block's own
+        # lengths, and philox state the kernel reads only with dropout.
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        return _lse_op("_scaled_dot_product_flash_attention_backward")(
+            grad_out, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, is_causal, unused, unused,
+            scale=scale)
+    rows = q.size(2)
+    padded = lse.new_zeros(*lse.shape[:-1], -(-rows // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN)
+    padded[..., :rows] = lse
+    unused = torch.empty((), dtype=torch.int64, device=q.device)
+    grads = _lse_op("_scaled_dot_product_efficient_attention_backward")(
+        grad_out, q, k, v, None, out, padded, unused, unused, 0.0, [True, True, True, False], is_causal, scale=scale)
+    return grads[0], grads[1], grads[2]
 
 
 # -- nn.Module and optimizer internals --------------------------------------------------------

@@ -17,6 +17,7 @@ Plain torch, no Lightning: the models layer uses it too (the MoE balancing count
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -186,6 +187,34 @@ def all_gather_autograd(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
     out = out.movedim(0, dim)
     return out if out.device == tensor.device else out.to(tensor.device)
+
+
+@torch.no_grad()
+def ring_shift(tensors: list[torch.Tensor], group) -> Callable[[], list[torch.Tensor]]:
+    """Start sending ``tensors`` to the next rank of ``group``'s ring (group rank ``r`` to
+    ``r + 1 mod size``) while receiving the previous rank's (the same shapes and dtypes) into new
+    buffers; return ``wait()``, which waits for both and gives the received tensors. Point-to-point,
+    one ``batch_isend_irecv`` per call: the transfer runs while the caller computes (ring
+    attention's next key/value chunk). ``group``: a process group or a 1-D ``DeviceMesh``. A tensor
+    that lives elsewhere than the group's device travels through a staged copy and comes back to
+    its device."""
+    pg = group.get_group() if hasattr(group, "get_group") else group
+    size, me = dist.get_world_size(pg), dist.get_rank(pg)
+    device = group_device(pg)
+    home = [t.device for t in tensors]
+    staged = [t if t.device == device and t.is_contiguous() else t.to(device).contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in staged]
+    ops = [dist.P2POp(dist.isend, t, group=pg, group_peer=(me + 1) % size) for t in staged]
+    ops += [dist.P2POp(dist.irecv, t, group=pg, group_peer=(me - 1) % size) for t in received]
+    works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait() -> list[torch.Tensor]:
+        for work in works:
+            work.wait()
+        staged.clear()  # held until here: the sends read them until they complete
+        return [t if t.device == d else t.to(d) for t, d in zip(received, home)]
+
+    return wait
 
 
 @torch.no_grad()

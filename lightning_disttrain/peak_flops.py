@@ -172,7 +172,8 @@ def forward_flop_counter() -> FlopCounterMode:
     matmuls (Muon's Newton-Schulz iterations) are not model FLOPs, so stop it before the step.
 
     CPU's fused attention kernel (``_scaled_dot_product_flash_attention_for_cpu``) is missing from
-    torch's FLOP registry; it is counted here with the formula of the CUDA kernels. Norms,
+    torch's FLOP registry; it is counted here with the formula of the CUDA kernels, and context
+    parallel's ring attention (one operator) with the same formula over the blocks it computes. Norms,
     activations and the loss are not counted (the analytic 6·N formula leaves them out too).
     """
     aten = torch.ops.aten
@@ -183,4 +184,16 @@ def forward_flop_counter() -> FlopCounterMode:
         op = getattr(aten, name, None)
         if op is not None and op not in mapping:
             mapping[op] = _forward_only(sdpa)
+    ring = getattr(torch.ops.ldt, "ring_attention", None)  # registered by models/ring_attention.py
+    if ring is not None:
+        mapping[ring] = _forward_only(_ring_attention_flops)
     return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def _ring_attention_flops(q, k, v, group_name, rank, size, scale, *args, **kwargs) -> int:
+    """Context parallel's ring attention on one rank: the (2 x cp + 1) blocks of L x L (query,
+    key) pairs it hands its kernels (``ring_attention.pairs_computed``), 4 FLOPs per pair and head
+    dimension (QK^T and PV), as torch counts its fused attention kernels."""
+    batch, heads, local, head_dim = q.shape
+    chunk = local // 2
+    return 4 * batch * heads * head_dim * (2 * size + 1) * chunk * chunk

@@ -5,18 +5,18 @@ chunks ``r`` and ``2*cp - 1 - r`` (a head chunk and its mirror from the tail), s
 queries see the same number of keys in total (the work of a causal mask is a triangle; a head
 chunk's cheap rows pair with a tail chunk's expensive ones).
 
-Attention over the whole sequence: each rank all-gathers the keys and values of its cp group (in
-group-rank order, through ``comm.all_gather_autograd``, whose backward reduce-scatters their
-gradients) and puts them in sequence order; each of its two query chunks then attends the prefix
-of keys up to and including its own chunk under a lower-right causal mask (``ContextParallel.
-attention``). It works with every SDPA backend, CPU included; with grouped-query attention the
-gathered K/V are ``n_kv_head / n_head`` the size of the queries.
+Attention over the whole sequence: ring attention (``models/ring_attention.py``): each rank keeps
+its own keys and values; their chunks pass around the cp group's ranks point to point while each
+rank attends its queries to the chunk it holds, fully masked blocks skipped, and the blocks merge
+exactly by their log-sum-exp. Every rank keeps O(S/cp) for backward and in flight (no rank holds
+the whole sequence's keys and values); with grouped-query attention the chunks that travel are
+``n_kv_head / n_head`` the size of the queries. It has no attention dropout (refused at setup).
 Positions (learned embeddings, RoPE) are the global positions of the rank's tokens: those of the
 shard the strategy cut from the batch (``ContextParallel.shard``, recorded per batch), never
 inferred from an activation's shape (a later pipeline stage's hidden states hold 1/tp of the shard
 under sequence parallel).
 
-Plain torch and ``comm``: a model opts in by giving its position-dependent modules a
+Plain torch: a model opts in by giving its position-dependent modules a
 ``context_parallel`` attribute (None: off), which the strategy sets to a :class:`ContextParallel`.
 """
 
@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from lightning_disttrain import comm
+from lightning_disttrain.models.ring_attention import pairs_computed, ring_attention
 
 
 @dataclass(eq=False)
@@ -78,62 +77,17 @@ class ContextParallel:
         """The global positions of this rank's ``local_len`` tokens."""
         return local_positions(self.full_length(local_len), self.rank, self.size, device)
 
-    def gathered_positions(self, local_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """The global positions of the group's tokens in gathered (group-rank) order."""
-        full = self.full_length(local_len)
-        return torch.cat([local_positions(full, r, self.size, device) for r in range(self.size)])
-
-    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """The group's shards of ``t`` concatenated along ``dim`` (gathered order), differentiably."""
-        return comm.all_gather_autograd(t, dim, self.group)
-
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                   enable_gqa: bool = False) -> torch.Tensor:
-        """Causal attention of this rank's queries (B, H, T_local, D) over the whole sequence.
-
-        Keys and values are gathered and put in sequence order; each of the rank's two chunks
-        (global chunk c, length L) then attends the prefix of ``(c + 1) * L`` keys under a
-        lower-right causal mask (``causal_lower_right``: SDPA's flash / efficient kernels take it
-        without materialising a mask on GPUs; on the CPU it is materialised per chunk)."""
-        local = q.size(2)
-        chunk = local // 2
-        order = torch.argsort(self.gathered_positions(local, q.device))
-        k = self.gather(k, dim=2).index_select(2, order)
-        v = self.gather(v, dim=2).index_select(2, order)
-        out = []
-        for i, c in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
-            visible = (c + 1) * chunk
-            out.append(F.scaled_dot_product_attention(
-                q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :visible], v[:, :, :visible],
-                attn_mask=lower_right_causal(chunk, visible, q.device), dropout_p=dropout_p, enable_gqa=enable_gqa))
-        return torch.cat(out, dim=2)
-
-
-_BIASES: dict[tuple[int, int], Any] = {}
-
-
-def prepare_biases(local_len: int, rank: int, size: int) -> None:
-    """Build (and cache) the causal biases rank ``rank`` of ``size`` attends its ``local_len``
-    tokens with, ahead of the forward (the strategy calls it per batch): inside a dispatch mode
-    (selective activation checkpointing, ``activation_bytes``) ``CausalBias`` cannot be built."""
-    chunk = local_len // 2
-    for c in (rank, 2 * size - 1 - rank):
-        lower_right_causal(chunk, (c + 1) * chunk, "cpu")
-
-
-def lower_right_causal(rows: int, cols: int, device: torch.device | str) -> Any:
-    """The attention mask "key j visible to query i iff j <= i + cols - rows": torch's
-    ``CausalBias`` (the GPU kernels apply it without a mask tensor), cached by shape; where it
-    cannot be built (inside a dispatch mode, before ``prepare``) the same mask as booleans."""
-    bias = _BIASES.get((rows, cols))
-    if bias is None:
-        from torch.nn.attention.bias import causal_lower_right
-
-        try:
-            bias = _BIASES[(rows, cols)] = causal_lower_right(rows, cols)
-        except RuntimeError:  # "Creating a new Tensor subclass CausalBias ..." under a dispatch mode
-            return torch.ones(rows, cols, dtype=torch.bool, device=device).tril(cols - rows)
-    return bias
+        """Causal attention of this rank's queries (B, H, T_local, D) over the whole sequence: ring
+        attention (``models/ring_attention.py``), the cp group's key/value chunks passed around the
+        ranks, each block merged by its log-sum-exp. ``enable_gqa``: ``k``/``v`` have fewer heads."""
+        if dropout_p:
+            raise ValueError(f"context parallel (cp={self.size}) runs ring attention, which has no attention dropout "
+                             f"(dropout_p={dropout_p}): set the model's dropout to 0 (pre-training runs use 0) or use cp=1")
+        if not enable_gqa and k.size(1) != q.size(1):
+            raise ValueError(f"{q.size(1)} query heads and {k.size(1)} key/value heads need enable_gqa=True")
+        return ring_attention(q, k, v, self.group, self.rank, self.size)
 
 
 def check_length(seq_len: int, size: int) -> None:
@@ -166,10 +120,8 @@ def attention_work(seq_len: int, rank: int, size: int) -> int:
 
 
 def attention_pairs_computed(seq_len: int, rank: int, size: int) -> int:
-    """(query, key) pairs ``ContextParallel.attention`` hands SDPA on ``rank``: each chunk c of
-    length L against its prefix of (c + 1) * L keys (the kernels' work, masked pairs included)."""
-    chunk = seq_len // (2 * size)
-    return sum(chunk * (c + 1) * chunk for c in (rank, 2 * size - 1 - rank))
+    """(query, key) pairs the ring's kernels are handed on ``rank`` (``ring_attention.pairs_computed``)."""
+    return pairs_computed(seq_len, rank, size)
 
 
 @contextmanager

@@ -61,6 +61,7 @@ from torch.utils.checkpoint import (
 )
 
 from lightning_disttrain import _torch_compat as torch_compat
+from lightning_disttrain.models.ring_attention import RING_ATTENTION_OP
 from lightning_disttrain.parallel.plan import as_block_list
 
 ACPolicy = Literal["none", "selective", "block", "full"]
@@ -96,9 +97,11 @@ ATTENTION_OPS = _resolve([
     "aten._scaled_dot_product_cudnn_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._scaled_dot_product_fused_attention_overrideable.default",
-])
-"""The fused SDPA kernels ``F.scaled_dot_product_attention`` dispatches to. (The math fallback
-is composite: it reaches dispatch as bmm/softmax, whose bmm outputs are saved as matmuls.)"""
+]) | {RING_ATTENTION_OP}
+"""The fused SDPA kernels ``F.scaled_dot_product_attention`` dispatches to (the math fallback is
+composite: it reaches dispatch as bmm/softmax, whose bmm outputs are saved as matmuls), and
+context parallel's ring attention, one operator: kept, a recomputed block does not run the ring
+(its transfers) again."""
 
 COLLECTIVE_OPS = _resolve([
     # Under tensor/sequence parallel a recomputed collective is a second round of communication.

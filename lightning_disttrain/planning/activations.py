@@ -41,20 +41,13 @@ stream and the norms hold 1/t of the sequence, the attention / MLP inputs are al
       are recomputed), and under expert parallel the all-to-all outputs 2*k'*e*h.
     full: the block input, e*h/t. block (every_k): full for layers 0, k, 2k, ..., none for the rest.
 
-Context parallel (``cp`` > 1, ``models/context_parallel.py``): per token of the rank's shard (1/cp
-of each sequence) the terms above, plus the keys and values gathered from the cp ranks, and the
-attention output's concatenation of the rank's two chunks::
-
-    none       + e*2*kv*(cp - 1)/t + e*h/t     the whole sequence's K/V (reordered; the local ones
-                                               are freed) and the concatenated output
-    selective  + e*2*kv*cp/t                   the all-gather's output (a collective: kept)
-    full       + 0
-
-and per block, not per token (``layer_constant``; none only): the gathered order's int64 index
-(8*s) and, on the CPU, the causal masks SDPA materialises for the rank's two chunks
-(e x chunk^2 x (2cp + 1) on every rank but the first, chunk = s / 2cp; GPU kernels take
-``CausalBias`` without a mask). Measured on 2 and 4 gloo ranks to the byte
-(tests/strategies/cp_worker.py).
+Context parallel (``cp`` > 1, ring attention: ``models/ring_attention.py``): per token of the
+rank's shard (1/cp of each sequence) the terms above and nothing more: the ring operator keeps
+this rank's q, k, v, its output and log-sum-exp, as attention without context parallel does, and
+the key/value chunks that pass through the rank are freed as the next arrives. Measured on 2 and
+4 gloo ranks to the byte (tests/strategies/cp_worker.py). In flight during the attention's
+backward (not kept: ``ring_backward_bytes``): the chunk being received, the fp32 gradient
+accumulators and one block's gradients.
 
 While a checkpointed block is recomputed in backward, it holds everything it recomputes (its
 "none" bytes) besides what the blocks before it stored, and the gradients in flight: so with
@@ -107,42 +100,30 @@ def routed_assignments(shape: ModelShape) -> float:
     return shape.moe_top_k * (min(1.0, cf) if cf is not None else 1.0)
 
 
+def ring_backward_bytes(shape: ModelShape, e: int = 2, t: int = 1) -> float:
+    """Bytes per token of the shard that ring attention's backward holds at once besides what the
+    block kept (context parallel only), counted from ``ring_backward``'s buffers: the incoming
+    gradient made contiguous (e*h), the fp32 query-gradient accumulator (4*h), one block's kernel
+    gradients (3*e*h at most: a block spans at most the shard's rows), the chunk pair arriving
+    (2*e*kv), three fp32 key/value gradient pairs (this step's, the one arriving, the one leaving:
+    24*kv), and under grouped-query attention one block's keys and values widened to every head
+    (2*e*h). An upper bound, not measured alone."""
+    h, kv = shape.n_embd, shape.kv_dim
+    wide = 2 * e * h if kv < h else 0
+    return ((e + 4 + 3 * e) * h + wide + (2 * e + 24) * kv) / t
+
+
 def layer_bytes(shape: ModelShape, layer: int, *, policy: str = "none", e: int = 2, t: int = 1, ep: int = 1,
                 cp: int = 1, cpu: bool = False, flash: bool = True, seq_len: int | None = None) -> float:
     """Bytes per token block ``layer`` keeps for backward under the checkpointing ``policy``
     (``selective``, ``full`` or ``none``; a ``block`` policy is ``full`` or ``none`` per layer);
-    under context parallel, per token of the rank's shard."""
+    under context parallel, per token of the rank's shard (ring attention adds nothing kept)."""
     if policy not in ("none", "selective", "full"):
         raise ValueError(f"policy={policy!r}: per layer use 'none', 'selective' or 'full' ('block' is one of the "
                          f"two for each layer: see stage_bytes)")
     if policy == "full":
         return e * shape.n_embd / t
-    return _block_bytes(shape, layer, policy, e, t, ep, cpu, flash, seq_len) + _gathered_bytes(shape, policy, e, t, cp)
-
-
-def _gathered_bytes(shape: ModelShape, policy: str, e: int, t: int, cp: int) -> float:
-    """Context parallel's additions per token of the shard (see the module docstring)."""
-    if cp == 1 or policy == "full":
-        return 0.0
-    if policy == "selective":
-        return e * 2 * shape.kv_dim * cp / t
-    return e * 2 * shape.kv_dim * (cp - 1) / t + e * shape.n_embd / t
-
-
-def layer_constant(shape: ModelShape, layer: int, *, policy: str = "none", e: int = 2, cp: int = 1,
-                   cpu: bool = False, seq_len: int | None = None, **_) -> float:
-    """Bytes block ``layer`` keeps for backward that do not grow with the batch: under context
-    parallel with no checkpointing, the gathered order's index and, on the CPU, its attention masks."""
-    if cp == 1 or policy != "none":
-        return 0.0
-    s = seq_len or shape.seq_len
-    chunk = s / (2 * cp)
-    return 8 * s + (e * chunk * chunk * (2 * cp + 1) if cpu else 0.0)
-
-
-def stage_constant(shape: ModelShape, layers, policy: str = "none", every_k: int = 2, **kw) -> float:
-    """``layer_constant`` summed over the blocks ``layers`` under a model-wide ``policy``."""
-    return sum(layer_constant(shape, i, policy=checkpointed(policy, i, every_k), **kw) for i in layers)
+    return _block_bytes(shape, layer, policy, e, t, ep, cpu, flash, seq_len)
 
 
 def _block_bytes(shape: ModelShape, layer: int, policy: str, e: int, t: int, ep: int, cpu: bool, flash: bool,
@@ -202,14 +183,17 @@ def backward_transient(shape: ModelShape, e: int = 2, t: int = 1, ep: int = 1) -
 def backward_peak(shape: ModelShape, layers, policy: str = "none", every_k: int = 2, **kw) -> float:
     """Bytes per token the backward of the blocks ``layers`` holds at most when some are
     recomputed: the blocks before the one being recomputed keep what they stored, that one holds
-    everything it recomputes (its "none" bytes), plus ``backward_transient``. 0 when no block is
+    everything it recomputes (its "none" bytes), plus ``backward_transient`` (and under context
+    parallel ``ring_backward_bytes``). 0 when no block is
     recomputed (the forward's end is then the peak)."""
     best = prefix = 0.0
     for i in layers:
         p = checkpointed(policy, i, every_k)
         if p != "none":
+            e, t = kw.get("e", 2), kw.get("t", 1)
+            ring = ring_backward_bytes(shape, e, t) if kw.get("cp", 1) > 1 else 0.0
             best = max(best, prefix + layer_bytes(shape, i, policy="none", **kw)
-                       + backward_transient(shape, kw.get("e", 2), kw.get("t", 1), kw.get("ep", 1)))
+                       + backward_transient(shape, e, t, kw.get("ep", 1)) + ring)
         prefix += layer_bytes(shape, i, policy=p, **kw)
     return best
 

@@ -34,8 +34,10 @@ comparison, is ``activation_bytes_per_layer``::
 dropout; for SwiGLU, grouped-query attention, MoE and this package's selective policy (which keeps
 matmul outputs and recomputes the rest) the derived terms differ by 20-30%.
 
-Context parallel divides every per-token term by cp (a rank holds 1/cp of each sequence) and adds
-the gathered keys and values per block (``activations``: measured to the byte on 2 and 4 ranks).
+Context parallel divides every per-token term by cp (a rank holds 1/cp of each sequence): ring
+attention keeps nothing more (``activations``: measured to the byte on 2 and 4 ranks); its
+backward's buffers in flight count at a recomputed block's backward (``ring_backward_bytes``; with
+no recomputation the loss's peak is higher).
 
 Logits: s*b*V/t elements (the head is vocabulary-parallel under tp, with loss parallel). The loss
 (``GPTModule.loss_fn``: an fp32 log-softmax) keeps its fp32 output for backward (4 B), and its
@@ -77,13 +79,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lightning_disttrain.planning.activations import (
-    backward_peak,
-    head_bytes,
-    layer_constant,
-    stage_bytes,
-    stage_constant,
-)
+from lightning_disttrain.planning.activations import backward_peak, head_bytes, stage_bytes
 from lightning_disttrain.planning.model_shape import ModelShape
 from lightning_disttrain.planning.pipeline import RankStages, rank_stages
 from lightning_disttrain.planning.spec import GB, Cluster, Layout, Workload
@@ -273,9 +269,6 @@ def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster:
     if layout.pp > 1 and not rs.last:
         per_chunk += e * shape.n_embd / t  # the stage's output, kept for its send and its backward
     recomputing = max(backward_peak(shape, stage, ac, k, **kw) for stage in rs.layers)
-    # what does not grow with the batch (context parallel's index and CPU masks), per held forward
-    fixed = max(stage_constant(shape, stage, ac, k, **kw) for stage in rs.layers)
-    refixed = max(layer_constant(shape, i, policy="none", **kw) for i in rs.all_layers) if recomputing else 0.0
     head = logit_held = 0.0
     if rs.last:
         head = tokens * head_bytes(shape, e, t, cpu)
@@ -284,9 +277,9 @@ def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster:
     logit_grad = tokens * shape.vocab / t * LOGIT_GRAD_BYTES if rs.last else 0.0
     # the forward's end (and the loss's backward): every held micro-batch's blocks, head and logits,
     # one logits gradient; or a recomputed block's backward, the other held micro-batches beside it
-    at_loss = (tokens * rs.inflight * per_chunk + rs.inflight * fixed + rs.last_inflight * head,
+    at_loss = (tokens * rs.inflight * per_chunk + rs.last_inflight * head,
                rs.last_inflight * logit_held + logit_grad)
-    in_backward = (tokens * ((rs.inflight - 1) * per_chunk + recomputing) + rs.inflight * fixed + refixed
+    in_backward = (tokens * ((rs.inflight - 1) * per_chunk + recomputing)
                    + (rs.last_inflight - 1) * head, (rs.last_inflight - 1) * logit_held)
     activations, logits = max(at_loss, in_backward, key=sum)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_disttrain.models.context_parallel import ContextParallel, check_length, prepare_biases, shard_sequence
+from lightning_disttrain.models.context_parallel import ContextParallel, check_length, shard_sequence
 
 
 class ContextStepMixin:
@@ -54,7 +54,6 @@ class ContextStepMixin:
         out = shard(batch)
         if len(lengths) == 1:
             seq_len = next(iter(lengths))
-            prepare_biases(seq_len // size, rank, size)
             device = next((t.device for t in _tensors(out)), None)
             for cp in self._context_parallels():
                 cp.shard(seq_len, device)

@@ -100,11 +100,11 @@ def planned_activations(devices: int, seq: int = 64, batch: int = 2) -> list[dic
     """What three blocks keep for backward on this cp rank (cp = every rank of the launch, fp32,
     CPU), measured with ``activation_bytes`` as tests/planning/test_activations.py does for one
     process, beside the planner's terms (``planning.activations``) for the same shard."""
-    from lightning_disttrain.models.context_parallel import ContextParallel, local_positions, prepare_biases
+    from lightning_disttrain.models.context_parallel import ContextParallel, local_positions
     from lightning_disttrain.models.gpt import Block, GPTConfig, rope_tables
     from lightning_disttrain.parallel.activation import activation_bytes, apply_activation_checkpointing
     from lightning_disttrain.planning import shape_of
-    from lightning_disttrain.planning.activations import stage_bytes, stage_constant
+    from lightning_disttrain.planning.activations import stage_bytes
 
     assert dist.is_initialized(), "run 'activations' after a fit of the launch (it uses its process group)"
     rank, local = dist.get_rank(), seq // devices
@@ -117,7 +117,6 @@ def planned_activations(devices: int, seq: int = 64, batch: int = 2) -> list[dic
             for block in blocks.values():
                 block.attn.context_parallel = ContextParallel(dist.group.WORLD, rank, devices)
             apply_activation_checkpointing(blocks, policy, every_k=2)
-            prepare_biases(local, rank, devices)
             rope = tuple(t[local_positions(seq, rank, devices)] for t in rope_tables(c)) if c.pos_emb == "rope" else None
             x = torch.randn(batch, local, c.n_embd, requires_grad=True)
 
@@ -129,8 +128,7 @@ def planned_activations(devices: int, seq: int = 64, batch: int = 2) -> list[dic
 
             y, alive = activation_bytes(forward, settle_s=5.0)
             shape, kw = shape_of(c, seq), dict(e=4, cp=devices, cpu=True, seq_len=seq)
-            planned = (stage_bytes(shape, range(3), policy, 2, **kw) * local * batch
-                       + stage_constant(shape, range(3), policy, 2, **kw))
+            planned = stage_bytes(shape, range(3), policy, 2, **kw) * local * batch
             out.append({"model": name, "policy": policy, "measured": alive - y.numel() * 4, "planned": planned,
                         "kv_shard": batch * local * shape.kv_dim * 4})
     return out
@@ -165,9 +163,22 @@ def fit_run(run: str, devices: int) -> dict:
     strategy = NDParallelStrategy(**degrees)
     dp = devices // (degrees["cp"] * degrees.get("tp", 1) * degrees.get("pp", 1))
     model = CPGPT("learned" if run.endswith("learned") else "rope")
-    trainer, losses = _fit(model, strategy, devices, dp, callbacks=callbacks)
+    from lightning_disttrain import comm
+
+    shift, shifts = comm.ring_shift, []
+
+    def counted(tensors, group):  # ring attention's transfers (a recomputed block must not repeat them)
+        shifts.append(len(tensors))
+        return shift(tensors, group)
+
+    comm.ring_shift = counted
+    try:
+        trainer, losses = _fit(model, strategy, devices, dp, callbacks=callbacks)
+    finally:
+        comm.ring_shift = shift
     x = torch.arange(base.SEQ).view(1, -1)
     return {"losses": losses, "steps": strategy.parallelized_steps, "tokens_seen": model.tokens_seen,
+            "ring_shifts": len(shifts),
             "sampler": strategy.distributed_sampler_kwargs,
             "shard": strategy._shard_batch((x,))[0].view(-1).tolist()}
 
