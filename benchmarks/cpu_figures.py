@@ -17,9 +17,10 @@ rendered it in a footnote:
   band, a marker per layout;
 - ``cpu-fsdp-memory`` (``bench_fsdp_memory``: section 4): memory per rank against the number of
   ranks, ZeRO-3 and ZeRO-2, at rest and at the step's peak, with the computed sharded state;
-- ``cpu-cp-memory`` (``bench_cp_memory``: section 17): activation memory per rank against
-  sequence length for cp = 1, 2, 4, the budget and the longest sequence within it (linear between
-  the points and beyond the last, as ``bench_cp.py`` computes it);
+- ``cpu-cp-memory`` (``bench_cp``: ``bench_cp.py``'s own JSON, section 17): per GPT preset, the
+  peak memory of a step per rank against sequence length for cp = 1, 2, 4 (ring attention), the
+  budget and the longest sequence within it (linear between the points and beyond the last, as
+  ``bench_cp.py`` computes it);
 - ``cpu-process-groups`` (``bench_process_groups``: section 21): process groups each rank joins
   and ``new_group`` calls per rank, by layout, at 1,024 ranks;
 - ``cpu-tp-memory`` (``bench_tp_memory``: section 10): memory per rank against tp = 1, 2, 4 (with
@@ -55,7 +56,7 @@ from figure_output import PLOT_FORMATS, check_format, render_command, run_plot, 
 REQUIRED = ("benchmark", "date", "machine", "command", "source")
 """The fields every recorded JSON carries."""
 FIGURES = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
-           "cpu-cp-memory": "bench_cp_memory", "cpu-process-groups": "bench_process_groups",
+           "cpu-cp-memory": "bench_cp", "cpu-process-groups": "bench_process_groups",
            "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory",
            "cpu-sac": "bench_sac", "cpu-moe": "bench_moe_quality"}
 """Figure name -> the benchmark whose JSON it is drawn from."""
@@ -142,18 +143,18 @@ def longest_within(points: list[tuple[float, float]], budget: float) -> float:
     return points[0][0] * budget / points[0][1]
 
 
-def cp_series(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """One series per cp degree: its (seq, MiB per rank) points and the longest sequence within the
-    budget: as recorded (``bench_cp.py``'s, from its unrounded points: drawn) and as computed here
-    from the recorded points (rounded to 0.1 MiB: within a few tokens of it)."""
-    degrees = list(data["rows"][0]["mib_per_rank"])
-    out = []
-    for cp in degrees:
-        points = [(row["seq"], row["mib_per_rank"][cp]) for row in data["rows"]]
-        out.append({"cp": int(cp), "points": points,
-                    "longest_within_budget": data["longest_seq_within_budget"][cp],
-                    "longest_from_points": longest_within(points, data["budget_mib"]),
-                    "extrapolated": max(m for _, m in points) < data["budget_mib"]})
+def cp_series(data: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per preset, one series per cp degree: its (seq, peak MiB per rank) points and the longest
+    sequence within the budget: as recorded (``bench_cp.py``'s: drawn) and as computed here from
+    the recorded points (the same rule: equal)."""
+    out = {}
+    for preset, m in data["memory"].items():
+        out[preset] = [{"cp": int(cp), "points": [(row["seq"], row["peak_mib"][cp]) for row in m["rows"]],
+                        "longest_within_budget": m["longest"][cp],
+                        "longest_from_points": longest_within([(row["seq"], row["peak_mib"][cp]) for row in m["rows"]],
+                                                              m["budget_mib"]),
+                        "over_cp1": m["longest_over_cp1"][cp], "extrapolated": m["extrapolated"][cp]}
+                       for cp in m["rows"][0]["peak_mib"]]
     return out
 
 
@@ -333,30 +334,30 @@ def _draw_fsdp(plt, data: dict[str, Any], note: str, path: str) -> None:
 
 def _draw_cp(plt, data: dict[str, Any], note: str, path: str) -> None:
     series = cp_series(data)
-    budget = data["budget_mib"]
-    fig, ax = plt.subplots(figsize=(8, 5.2))
-    for i, s in enumerate(series):
-        xs, ys = zip(*s["points"])
-        color = f"C{i}"
-        ax.plot(xs, ys, marker="o", color=color, label=f"cp={s['cp']}")
-        x = s["longest_within_budget"]
-        if s["extrapolated"]:
-            ax.plot([xs[-1], x], [ys[-1], budget], color=color, linestyle=":")
-        ax.plot(x, budget, marker="x", color=color, markersize=9, linestyle="none")
-        ax.annotate(f"{x:,.0f}{' (extrapolated)' if s['extrapolated'] else ''}", (x, budget), xytext=(0, 8 + 11 * i),
-                    textcoords="offset points", ha="center", fontsize=7.5, color=color)
-    ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget {budget:g} MiB per rank")
-    seqs = [row["seq"] for row in data["rows"]]
-    ax.set_xticks(seqs, [f"{s:,}" for s in seqs])
-    ax.set_xlim(0, max(seqs + [s["longest_within_budget"] for s in series]) * 1.08)
-    ax.set_ylim(0, None)
-    ax.set_xlabel("sequence length, tokens (x: the longest within the budget, linear between the points)")
-    ax.set_ylabel("activations kept for backward, MiB per rank")
-    ax.legend(fontsize=8, loc="upper left")
-    ax.set_title(f"Context parallel: activation memory per rank against sequence length (bench_cp.py)\n"
-                 f"{data['model']}", fontsize=10)
-    save_with_footnote(plt, fig, path, "On CPU a cp rank's causal mask is a materialised bias of chunk x prefix "
-                                       "per layer (quadratic in the sequence): docs/benchmarks.md section 17. " + note)
+    fig, axes = plt.subplots(1, len(series), figsize=(6.2 * len(series), 5.2), squeeze=False)
+    for ax, (preset, lines) in zip(axes[0], series.items()):
+        budget = data["memory"][preset]["budget_mib"]
+        for i, s in enumerate(lines):
+            xs, ys = zip(*s["points"])
+            color = f"C{i}"
+            ax.plot(xs, ys, marker="o", color=color, label=f"cp={s['cp']}")
+            x = s["longest_within_budget"]
+            if s["extrapolated"] and x > xs[-1]:
+                ax.plot([xs[-1], x], [ys[-1], budget], color=color, linestyle=":")
+            ax.plot(x, budget, marker="x", color=color, markersize=9, linestyle="none")
+            ax.annotate(f"{x:,.0f} ({s['over_cp1']:.2f}x){' computed' if s['extrapolated'] else ''}", (x, budget),
+                        xytext=(0, 8 + 11 * i), textcoords="offset points", ha="center", fontsize=7.5, color=color)
+        ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget {budget:g} MiB per rank")
+        seqs = [p[0] for p in lines[0]["points"]]
+        ax.set_xlim(0, max(seqs + [s["longest_within_budget"] for s in lines]) * 1.1)
+        ax.set_ylim(0, budget * 1.4)
+        ax.set_xlabel("sequence length, tokens (x: the longest within the budget)")
+        ax.set_ylabel("peak of a step (forward + backward), MiB per rank")
+        ax.set_title(f"{preset} GPT (byte vocabulary, batch 1)", fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Context parallel (ring attention): peak memory per rank against sequence length (bench_cp.py)",
+                 fontsize=10)
+    save_with_footnote(plt, fig, path, "Beyond the last measured point: along the last two (computed). " + note)
 
 
 def _draw_groups(plt, data: dict[str, Any], note: str, path: str) -> None:
@@ -625,7 +626,7 @@ def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = 
         return numbers(results[benchmark]) if benchmark in results else None
 
     return {"files": files, "skipped": skipped, "plan": drawn("bench_plan", plan_points),
-            "fsdp_memory": drawn("bench_fsdp_memory", fsdp_rows), "cp_memory": drawn("bench_cp_memory", cp_series),
+            "fsdp_memory": drawn("bench_fsdp_memory", fsdp_rows), "cp_memory": drawn("bench_cp", cp_series),
             "process_groups": drawn("bench_process_groups", group_rows),
             "tp_memory": drawn("bench_tp_memory", tp_memory_rows),
             "tp_activations": drawn("bench_tp_memory", tp_activation_rows),

@@ -34,6 +34,9 @@
 #     plan_memory_llama ~30 s  the same for 4 blocks of Llama-3-8B (128k vocabulary)
 #     plan_memory_llama_compiled ~45 s  the same with the strategy's compile option (blocks + loss)
 #     memory_attribution[_llama] ~30 s each  what the forward keeps, by allocating source line
+#     ring_attention ~40 s   context parallel's ring on one GPU (a thread per rank): the CUDA kernels
+#                            with log-sum-exp (flash bf16 32k tokens GQA, head_dim 256; efficient fp32)
+#                            vs one causal SDPA, forward and backward
 # Total ~775 s estimated; measured on one H200 (2026-12-04): all parts 204 s before fp8_wide and
 # sac_compiled, 303 s with them (every section passed), so the estimates are high. LDT_GPU_DEADLINE (exported below) lets each script skip, and name in its
 # JSON, a section that no longer fits instead of being killed in it; the timeouts are the backstop.

@@ -34,6 +34,9 @@ of its 440 s; a section that no longer fits is skipped and named in the JSON):
    ``memory_attribution`` / ``memory_attribution_llama`` (~30 s each): the caching allocator's live
    blocks when the second step's backward starts, summed by the source line that allocated them
    (``torch.cuda.memory._record_memory_history`` with Python stacks): what the forward keeps.
+7. ``ring_attention`` (~40 s): ``gpu_ring.measure``: context parallel's ring on one GPU (every
+   rank a thread): the CUDA block kernels with their log-sum-exp (flash in bf16 at 32k tokens with
+   GQA and at head_dim 256, memory-efficient in fp32) against one causal SDPA, forward and backward.
 
 On CPU (``--smoke``: gloo, the ``tiny`` model, seq 64) every section runs the same code except:
 ``meta_init`` takes the materialise-then-shard path (DTensor's RNG needs a CUDA-like mesh),
@@ -73,10 +76,11 @@ from lightning_disttrain.parallel.materialize import (
 from lightning_disttrain.strategies import NDParallelStrategy
 
 try:  # run as a script (benchmarks/ on sys.path) or as benchmarks.gpu_paths
+    import gpu_ring
     import gpu_sac
     from gpu_report import SectionReport, deadline_from_env
 except ImportError:
-    from benchmarks import gpu_sac
+    from benchmarks import gpu_ring, gpu_sac
     from benchmarks.gpu_report import SectionReport, deadline_from_env
 
 
@@ -525,7 +529,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              "plan_memory_llama_compiled": lambda: plan_memory(Shape.llama(args.smoke), device,
                                                                4 if not args.smoke else 2, compiled=True),
              "memory_attribution": lambda: memory_attribution(shape, device),
-             "memory_attribution_llama": lambda: memory_attribution(Shape.llama(args.smoke), device)}
+             "memory_attribution_llama": lambda: memory_attribution(Shape.llama(args.smoke), device),
+             "ring_attention": lambda: gpu_ring.measure(device, args.smoke)}
     for name, estimate_s in SECTIONS.items():
         if name in args.sections:
             result = report.run(name, estimate_s, calls[name])
@@ -538,7 +543,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 SECTIONS = {"sac": 30, "sac_compiled": 60, "meta_init": 20, "cpu_offload": 35, "async_save": 35, "init_broadcast": 15, "plan_memory": 25,
-            "plan_memory_llama": 30, "plan_memory_llama_compiled": 45, "memory_attribution": 30, "memory_attribution_llama": 30}
+            "plan_memory_llama": 30, "plan_memory_llama_compiled": 45, "memory_attribution": 30, "memory_attribution_llama": 30, "ring_attention": 40}
 """Section -> estimated seconds on one H200 (the time budget skips a section that would not fit)."""
 
 

@@ -329,7 +329,7 @@ PRIVATES: tuple[Private, ...] = (
             lambda: _resolve("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear")),
     # -- collectives --
     Private("torch.distributed._functional_collectives",
-            "collectives autograd flows through (all_to_all_single for experts, all_gather for context parallel)",
+            "collectives autograd flows through (all_to_all_single for experts)",
             "torch.distributed.nn.functional has autograd collectives, but another implementation (not traced alike)",
             lambda: [_resolve("torch.distributed._functional_collectives", name) for name in FUNCOL_NAMES]),
     Private("torch:_foreach_mul_",
@@ -615,7 +615,7 @@ def clear_mesh_caches(device_type: str = "cpu") -> None:
 # -- collectives and gradients ----------------------------------------------------------------
 
 
-FUNCOL_NAMES: tuple[str, ...] = ("all_to_all_single", "all_gather_single_autograd", "wait_tensor",
+FUNCOL_NAMES: tuple[str, ...] = ("all_to_all_single", "wait_tensor",
                                   "AsyncCollectiveTensor")
 """What the package uses of the functional collectives module."""
 

@@ -175,20 +175,6 @@ def all_to_all_single(tensor: torch.Tensor, output_split_sizes: list[int] | None
     return out if out.device == tensor.device else out.to(tensor.device)
 
 
-def all_gather_autograd(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The ranks' ``tensor`` concatenated along ``dim`` in group-rank order, differentiably (the
-    backward reduce-scatters the gradient back to each rank's slice), waited on. ``group``: a
-    process group or a 1-D ``DeviceMesh``. Context parallel gathers keys and values with it."""
-    funcol = torch_compat.funcol()
-    device = group_device(group.get_group() if hasattr(group, "get_group") else group)
-    staged = tensor if tensor.device == device else tensor.to(device)
-    moved = staged.movedim(dim, 0).contiguous()
-    out = funcol.all_gather_single_autograd(moved, gather_dim=0, group=group)
-    out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
-    out = out.movedim(0, dim)
-    return out if out.device == tensor.device else out.to(tensor.device)
-
-
 @torch.no_grad()
 def ring_shift(tensors: list[torch.Tensor], group) -> Callable[[], list[torch.Tensor]]:
     """Start sending ``tensors`` to the next rank of ``group``'s ring (group rank ``r`` to

@@ -35,7 +35,7 @@ PARALLEL_CONFIGS = {
     "pipeline-parallel": ("pipeline: 1F1B, 2 stages of 4 blocks [2, 2], 4 micro-batches; this rank: stage 0 "
                           "(blocks 0-1)", "pp"),
     "expert-parallel": ("expert_parallel: ep=2, 3 MoE layers, experts not FSDP-sharded", "ep"),
-    "context-parallel": ("context_parallel: cp=2, 4 attention layers gather K/V, load-balanced chunks", "cp"),
+    "context-parallel": ("context_parallel: cp=2, 4 attention layers run ring attention, load-balanced chunks", "cp"),
 }
 LAUNCH = {2: list(PARALLEL_CONFIGS)}
 

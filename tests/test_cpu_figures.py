@@ -39,7 +39,7 @@ def test_every_figure_is_drawn_with_its_data_machine_date_and_command(rendered):
     out, result = rendered
     assert not result["skipped"]
     names = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
-             "cpu-cp-memory": "bench_cp_memory", "cpu-process-groups": "bench_process_groups",
+             "cpu-cp-memory": "bench_cp", "cpu-process-groups": "bench_process_groups",
              "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory",
              "cpu-sac": "bench_sac", "cpu-moe": "bench_moe_quality"}
     assert set(result["files"]) == set(names)
@@ -93,20 +93,21 @@ def test_fsdp_figure_splits_each_peak_at_rest(rendered):
     assert [drawn[(n, "zero3")]["peak"] for n in (1, 2, 4)] == [252.85, 176.34, 135.06]  # section 4
 
 
-def test_cp_figure_finds_the_sections_longest_sequences_from_its_points(rendered):
+def test_cp_figure_draws_bench_cps_points_and_its_longest_sequences(rendered):
     _, result = rendered
-    data = _recorded("bench_cp_memory")
-    series = {s["cp"]: s for s in result["cp_memory"]}
-    assert sorted(series) == [1, 2, 4]
-    for cp, s in series.items():
-        assert s["points"] == [(row["seq"], row["mib_per_rank"][str(cp)]) for row in data["rows"]]
-        # recomputed from the table's points (rounded to 0.1 MiB): within a few tokens of bench_cp's
-        assert s["longest_from_points"] == pytest.approx(s["longest_within_budget"], abs=5)
-    assert {cp: s["longest_within_budget"] for cp, s in series.items()} == {1: 6869, 2: 5280, 4: 8873}
-    assert [cp for cp, s in series.items() if s["extrapolated"]] == [4]  # 115.4 MiB at 8192: below 128
-    for row in data["rows"]:
-        m = row["mib_per_rank"]
-        assert m["1"] / m["2"] == pytest.approx(row["cp1_over_cp2"], abs=0.006)
+    data = _recorded("bench_cp")
+    assert data["source"] == "bench_cp.py's own output (this file)"
+    assert sorted(result["cp_memory"]) == ["small", "tiny"]
+    for preset, lines in result["cp_memory"].items():
+        m = data["memory"][preset]
+        assert [s["cp"] for s in lines] == [1, 2, 4]
+        for s in lines:
+            assert s["points"] == [(row["seq"], row["peak_mib"][str(s["cp"])]) for row in m["rows"]]
+            # the same rule on the same (unrounded) points: bench_cp.py's figure
+            assert s["longest_from_points"] == pytest.approx(s["longest_within_budget"], rel=1e-9)
+        # issue 43's targets: ring attention extends the longest sequence with cp
+        over = {s["cp"]: s["over_cp1"] for s in lines}
+        assert over[2] >= 1.8 and over[4] >= 3.4, (preset, over)
 
 
 def test_groups_figure_counts_one_group_per_rank_set_and_the_new_group_calls(rendered):

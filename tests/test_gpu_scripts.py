@@ -14,10 +14,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_layouts
+import gpu_ring
 import gpu_sac
 import gpu_versions
 from gpu_bench import fp8_comparison
 from gpu_report import SectionReport, merge_reports
+
+
+def test_ring_attention_cases_pass_on_cpu_at_smoke_size():
+    # gpu_paths' ring_attention section, CPU's kernel: the checks hold and could fail (a case that
+    # misses its tolerance raises)
+    result = gpu_ring.measure(torch.device("cpu"), smoke=True)
+    assert set(result) == {"bf16_long", "fp32", "bf16_wide"}
+    assert all(r["passed"] for r in result.values())
+    assert result["fp32"]["ring_max_err_vs_fp32 [out, dq, dk, dv]"][0] < 1e-5
 
 
 def test_selective_checkpointing_runs_attention_forward_once_per_block():

@@ -236,7 +236,7 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.dropout = config.dropout
         self.context_parallel: ContextParallel | None = None
-        """Set by the strategy under cp > 1: the sequence is sharded, keys and values are gathered."""
+        """Set by the strategy under cp > 1: the sequence is sharded, attention runs the ring."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape

@@ -219,14 +219,14 @@ def parallelize(module: nn.Module, ctx: TransformContext, transforms: TransformR
         done.steps.append(f"expert_parallel: ep={ep.mesh.size()}, {len(layers)} MoE layers, "
                           + (f"experts FSDP over {shards} ranks" if shards > 1 else "experts not FSDP-sharded"))
     stage("expert_parallel")
-    # 5b. context parallel: attention gathers the keys and values of the cp ranks and positions
+    # 5b. context parallel: attention runs the ring over the cp ranks (one operator) and positions
     #     follow the rank's shard of each sequence; before checkpointing and compile, so that
-    #     both see (and recompute, and trace) the gathering attention.
+    #     both see (keep, and trace) the ring attention.
     if cp is not None:
         from lightning_disttrain.parallel.context import apply_context_parallel
 
         n = apply_context_parallel(module, cp.mesh)
-        done.steps.append(f"context_parallel: cp={cp.mesh.size()}, {n} attention layers gather K/V, "
+        done.steps.append(f"context_parallel: cp={cp.mesh.size()}, {n} attention layers run ring attention, "
                           f"load-balanced chunks")
     # 6. activation checkpointing: wraps whole blocks, after TP so its plans see real names.
     stage("activation_checkpointing")

@@ -132,7 +132,7 @@ def _candidates(shape: ModelShape, cluster: Cluster, workload: Workload | None) 
     for t in tps:
         for ac in ("none", "selective", "full"):
             out.append((Layout(dp_shard=N // t, tp=t, zero=3, ac=ac), "", True))
-    # context parallel inside a node (its K/V all-gather every block), alone and beside the widest
+    # context parallel inside a node (its ring passes K/V every block), alone and beside the widest
     # tensor parallel that still fits the node: it divides every sequence-length term by cp
     for c in _divisors_in((2, 4, 8), G):
         if shape.seq_len % (2 * c):

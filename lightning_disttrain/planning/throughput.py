@@ -18,10 +18,11 @@ layout's communication.
   (no async TP).
 - pp: each micro-batch's s·b·h/t boundary activations, sent forward and its gradient back, on the
   inter-node links, on the critical path for the m + p - 1 slots of the schedule.
-- cp: context parallel's all-gather of every block's keys and values (2·kv_dim per token of the
-  whole sequence, (cp - 1)/cp of it arriving at each rank) in forward, and the reduce-scatter of
-  their gradients in backward (an all-gather again when the block is recomputed); exposed (the
-  gather is not overlapped with the attention).
+- cp: ring attention moves, per block and micro-batch, the rank's key/value chunk (2·kv_dim per
+  token of its shard) cp - 1 times in forward (again when the block is recomputed), and in
+  backward cp - 1 times again plus cp hops of their fp32 gradients; each transfer runs while the
+  attention of a block computes (causal attention: 2·b·s²·h FLOPs per block forward, 1/cp per
+  rank, x3 with backward), so only the transfer time beyond that compute is exposed.
 - ep: the dispatch and the combine all-to-all of k'·s·b·h per MoE block and micro-batch, forward and
   backward, (ep - 1)/ep of it leaving each rank; exposed.
 - dp: FSDP's all-gathers (forward and backward of every micro-step; ZeRO-2: forward only) and
@@ -172,9 +173,14 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
         per_block = 4 * _ring(t) * micro * shape.n_embd * e  # 2 all-gathers + 2 reduce-scatters
         tp_comm = per_block * passes * layers * microsteps / (intra if t <= G else inter)
     cp_comm = 0.0
-    if layout.cp > 1:
-        per_block = _ring(layout.cp) * whole * 2 * shape.kv_dim / t * e  # the gathered K and V
-        cp_comm = per_block * passes * layers * microsteps / (intra if layout.cp * t <= G else inter)
+    if layout.cp > 1:  # ring attention: per block, the K/V chunks around the ring, and in backward their fp32 gradients
+        c, kv = layout.cp, 2 * shape.kv_dim / t
+        forward = (c - 1) * micro * kv * e * (1 + full / shape.n_layer)  # run again when the block is recomputed
+        backward = (c - 1) * micro * kv * e + c * micro * kv * 4
+        moved = (forward + backward) / (intra if c * t <= G else inter)
+        # each transfer runs while a block of attention computes: exposed only beyond that compute
+        attention = 2 * workload.micro_batch * workload.seq_len ** 2 * shape.n_embd / c / t * (3 + full / shape.n_layer)
+        cp_comm = max(0.0, moved - attention / (peak * mfu)) * layers * microsteps
     ep_comm = 0.0
     if ep > 1:
         moe_blocks = sum(1 for i in range(shape.n_layer) if shape.is_moe_layer(i)) * layers / shape.n_layer

@@ -465,8 +465,8 @@ class NDParallelStrategy(DCPCheckpointMixin, _NDParallelBase):
             from dp_shard (default 1: off). Composes with FSDP2, not yet with tp, pp, cp or
             dp_replicate.
         cp: context-parallel degree: each sample's sequence split over this many ranks in
-            load-balanced chunks, each attention layer all-gathering K/V over them (default 1:
-            off). The degrees multiply to the world size (``ParallelDims``).
+            load-balanced chunks, each attention layer passing K/V around them in a ring (ring
+            attention; default 1: off). The degrees multiply to the world size (``ParallelDims``).
         reshard_after_forward: True: ZeRO-3; False: ZeRO-2 (parameters stay gathered from forward
             to backward); int: reshard to groups of that many ranks.
         mp_policy: FSDP ``MixedPrecisionPolicy``; None derives it from the Trainer's precision

@@ -86,6 +86,20 @@ def test_every_rank_computes_the_same_blocks_and_no_fully_masked_one(size):
 
 
 def test_attention_dropout_under_cp_is_refused_with_the_fix():
+    from lightning_disttrain.models.gpt import GPT, GPTConfig
+    from lightning_disttrain.parallel.context import apply_context_parallel
+
+    class Mesh:  # no process group: refused before any
+        def get_local_rank(self):
+            return 0
+
+        def size(self):
+            return 2
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=64, dropout=0.1))
+    with pytest.raises(ValueError, match=r"cp=2 runs ring attention, .* dropout=0.1: set the model's dropout to 0"):
+        apply_context_parallel(model, Mesh())
+    assert all(getattr(m, "context_parallel", None) is None for m in model.modules())
     cp = ContextParallel(group=None, rank=0, size=2)
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="no attention dropout .* set the model's dropout to 0"):
