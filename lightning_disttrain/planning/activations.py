@@ -171,6 +171,14 @@ def stage_bytes(shape: ModelShape, layers, policy: str = "none", every_k: int = 
     return sum(layer_bytes(shape, i, policy=checkpointed(policy, i, every_k), **kw) for i in layers)
 
 
+def _mlp_bytes(shape: ModelShape, layer: int, e: int, t: int, cpu: bool) -> float:
+    """What a dense block's MLP half keeps with no checkpointing (its norm, the norm's output, the
+    hidden tensors), freed before the attention's backward; 0 for an MoE block (not modelled)."""
+    if shape.is_moe_layer(layer):
+        return 0.0
+    return norm_bytes(shape, e, cpu) / t + e * shape.n_embd + e * _mlp_factor(shape.mlp) * shape.ffn_hidden / t
+
+
 def backward_transient(shape: ModelShape, e: int = 2, t: int = 1, ep: int = 1) -> float:
     """Bytes per token of what a recomputed block's backward holds besides its tensors: the
     gradients in flight (the block output's and the widest hidden one: the MLP's, or the routed
@@ -183,17 +191,22 @@ def backward_transient(shape: ModelShape, e: int = 2, t: int = 1, ep: int = 1) -
 def backward_peak(shape: ModelShape, layers, policy: str = "none", every_k: int = 2, **kw) -> float:
     """Bytes per token the backward of the blocks ``layers`` holds at most when some are
     recomputed: the blocks before the one being recomputed keep what they stored, that one holds
-    everything it recomputes (its "none" bytes), plus ``backward_transient`` (and under context
-    parallel ``ring_backward_bytes``). 0 when no block is
+    everything it recomputes (its "none" bytes), plus ``backward_transient`` while its MLP's
+    backward runs; under context parallel, while its attention's backward runs (the MLP's tensors
+    freed, the attention output's gradient held), ``ring_backward_bytes``. 0 when no block is
     recomputed (the forward's end is then the peak)."""
     best = prefix = 0.0
     for i in layers:
         p = checkpointed(policy, i, every_k)
         if p != "none":
             e, t = kw.get("e", 2), kw.get("t", 1)
-            ring = ring_backward_bytes(shape, e, t) if kw.get("cp", 1) > 1 else 0.0
-            best = max(best, prefix + layer_bytes(shape, i, policy="none", **kw)
-                       + backward_transient(shape, e, t, kw.get("ep", 1)) + ring)
+            held = layer_bytes(shape, i, policy="none", **kw)
+            at_mlp = held + backward_transient(shape, e, t, kw.get("ep", 1))
+            at_attention = 0.0
+            if kw.get("cp", 1) > 1:  # the ring's buffers, once the MLP's tensors and gradients are freed
+                at_attention = held - _mlp_bytes(shape, i, e, t, kw.get("cpu", False)) + e * shape.n_embd / t
+                at_attention += ring_backward_bytes(shape, e, t)
+            best = max(best, prefix + max(at_mlp, at_attention))
         prefix += layer_bytes(shape, i, policy=p, **kw)
     return best
 
