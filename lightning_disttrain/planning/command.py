@@ -23,7 +23,7 @@ from lightning_disttrain.planning.memory import DEFAULT_MARGIN
 from lightning_disttrain.planning.model_shape import config_for, model_names, shape_of
 from lightning_disttrain.planning.planner import Money, make_plan
 from lightning_disttrain.planning.report import print_plan
-from lightning_disttrain.planning.spec import PRECISIONS, Cluster, Workload
+from lightning_disttrain.planning.spec import OPTIMIZERS, PRECISIONS, Cluster, Workload
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--micro-batch", type=int, default=1, help="sequences per forward per GPU")
     w.add_argument("--precision", default="bf16", choices=PRECISIONS)
     w.add_argument("--no-flash", action="store_true", help="attention stores its score matrix (no FlashAttention)")
+    w.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="GPTModule's optimizer: adamw, or muon (one momentum per element of the blocks' matrices "
+                        "instead of two moments; its step adds Newton-Schulz and two all-to-alls)")
     w.add_argument("--accumulate-unsharded-grads", action="store_true",
                    help="plan gradient accumulation as NDParallelStrategy(accumulate_unsharded_grads=True): one "
                         "reduce-scatter per optimizer step, the whole unsharded fp32 gradient held between "
@@ -102,7 +105,8 @@ def plan_main(argv: list[str] | None = None) -> None:
         overrides |= _overrides(args.override)
         shape = shape_of(config_for(name, overrides), args.seq_len, name)
         cluster = Cluster(args.gpu, args.gpus_per_node, args.nodes, args.gpu_memory)
-        workload = Workload(args.seq_len, args.global_batch, args.micro_batch, args.precision, not args.no_flash)
+        workload = Workload(args.seq_len, args.global_batch, args.micro_batch, args.precision, not args.no_flash,
+                            args.optimizer)
         money = Money(args.tokens, args.price, args.spot_price, args.preemptions_per_hour,
                       **({} if args.mtbf_hours is None else {"device_mtbf_hours": args.mtbf_hours}),
                       checkpoint_seconds=args.checkpoint_seconds)

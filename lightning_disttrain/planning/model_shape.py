@@ -96,6 +96,22 @@ class ModelShape:
     ``embedding_params`` (the rest, token and position tables, is the first stage's)."""
     pos_emb: str = "learned"
     """``GPTConfig.pos_emb``: ``rope`` models keep tables the looped pipeline schedules cannot run with yet."""
+    layer_matrices: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per block, the (rows, cols) of its 2-D weights: what ``optimizer="muon"`` orthogonalises
+    (``optim.build_optimizer``: the blocks' 2-D weights; the routed experts' 3-D stacks, norms and
+    biases take AdamW); (): none counted."""
+
+    def muon_params_of_layer(self, layer: int) -> int:
+        """Elements of block ``layer``'s Muon matrices."""
+        return sum(r * c for r, c in self.layer_matrices[layer]) if self.layer_matrices else 0
+
+    def newton_schulz_flops_of_layer(self, layer: int, steps: int = 5) -> float:
+        """FLOPs of Muon's quintic Newton-Schulz on block ``layer``'s whole matrices, one optimizer
+        step: per iteration on an a x b matrix (a <= b) X X^T (2a^2 b), the Gram polynomial's
+        product (2a^3) and its product with X (2a^2 b)."""
+        if not self.layer_matrices:
+            return 0.0
+        return steps * sum(4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3 for r, c in self.layer_matrices[layer])
 
     @property
     def kv_heads(self) -> int:
@@ -177,6 +193,7 @@ def shape_of(config: GPTConfig, seq_len: int, name: str = "custom") -> ModelShap
     experts = sum(v for n, v in numel.items() if ".mlp.experts." in n)
     head = sum(v for n, v in numel.items() if n.startswith(("ln_f.", "lm_head.")))
     moe_ids = tuple(i for i in range(config.n_layer) if config.is_moe_layer(i))
+    matrices = tuple(tuple(tuple(p.shape) for p in b.parameters() if p.dim() == 2) for b in model.blocks)
     return ModelShape(name=name, params=sum(numel.values()), embedding_params=outside,
                       block_params=max(blocks), expert_params=experts,
                       active_params=model.num_params(padding=True, active=True), n_layer=config.n_layer,
@@ -187,5 +204,6 @@ def shape_of(config: GPTConfig, seq_len: int, name: str = "custom") -> ModelShap
                       moe_top_k=config.moe_top_k if config.moe_num_experts else 2,
                       moe_hidden=(config.moe_hidden or config.mlp_hidden) if config.moe_num_experts else 0,
                       moe_shared_experts=config.moe_shared_experts, moe_capacity_factor=config.moe_capacity_factor,
-                      moe_layer_ids=moe_ids, layer_params=tuple(blocks), head_params=head, pos_emb=config.pos_emb)
+                      moe_layer_ids=moe_ids, layer_params=tuple(blocks), head_params=head, pos_emb=config.pos_emb,
+                      layer_matrices=matrices)
 

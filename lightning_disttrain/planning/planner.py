@@ -109,7 +109,14 @@ def checkpoint_seconds_estimate(shape: ModelShape, workload: Workload, nodes: in
     """Seconds to write one checkpoint (master weights and optimizer state) at the assumed bandwidth."""
     sb = STATE_BYTES[workload.precision]
     size = shape.params * (sb.master + sb.moments + (sb.weights if not sb.master else 0))
+    if workload.optimizer == "muon":  # one momentum, not two moments, per element of the blocks' matrices
+        size -= muon_params(shape) * sb.moments / 2
     return size / (tp.CHECKPOINT_WRITE_GBPS * GB * nodes)
+
+
+def muon_params(shape: ModelShape) -> int:
+    """Elements of every matrix Muon orthogonalises (the blocks' 2-D weights)."""
+    return sum(shape.muon_params_of_layer(i) for i in range(shape.n_layer))
 
 
 SEARCH_NODES = sorted({*range(1, 129), *(2 ** k for k in range(8, 14))})
@@ -137,7 +144,8 @@ def _nothing_fits(plan: Plan, margin: float) -> str:
     head = (f"nothing fits on {c.world} x {c.gpu}: the smallest need is {best.memory.total / GB:.1f} GB per GPU "
             f"({best.layout.name}) against {usable:.1f} GB usable")
     for micro in dict.fromkeys((w.micro_batch, 1)):
-        workload = w if micro == w.micro_batch else Workload(w.seq_len, w.global_batch, micro, w.precision, w.flash)
+        workload = w if micro == w.micro_batch else Workload(w.seq_len, w.global_batch, micro, w.precision, w.flash,
+                                                                   w.optimizer)
         found = smallest_fit(shape, workload, c, margin, plan.accumulate_unsharded_grads)
         if found is not None:
             nodes, chosen = found
@@ -164,7 +172,11 @@ def make_plan(shape: ModelShape, workload: Workload, cluster: Cluster, money: Mo
     sb = STATE_BYTES[workload.precision]
     plan.assumptions.append(f"model state: {sb.total:g} bytes/param at {workload.precision} (weights {sb.weights:g} + "
                             f"gradients {sb.grads:g} + fp32 master {sb.master:g} + AdamW moments {sb.moments:g}), "
-                            f"divided over the sharding ranks by ZeRO stage (ZeRO-3: all of it)")
+                            f"divided over the sharding ranks by ZeRO stage (ZeRO-3: all of it)"
+                            + (f"; with Muon the blocks' matrices ({muon_params(shape) / shape.params:.0%} of the "
+                               f"parameters) keep one momentum of {sb.moments / 2:g} bytes instead of the moments, "
+                               f"and each step adds Newton-Schulz (5 iterations) on every whole matrix, split over the "
+                               f"ranks that shard it, and two all-to-alls" if workload.optimizer == "muon" else ""))
     plan.assumptions.append(
         "gradient accumulation under FSDP: " + (
             "one reduce-scatter per optimizer step (--accumulate-unsharded-grads): every rank holds its part's "

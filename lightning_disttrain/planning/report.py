@@ -29,7 +29,7 @@ def summary(plan: Plan) -> list[str]:
              + f", {s.flops_per_token / 1e9:.3g} GFLOP/token at seq {w.seq_len}",
              f"cluster: {c.nodes} x {c.gpus_per_node} {c.gpu} ({c.memory_bytes / GB:.0f} GB each); "
              f"batch {w.global_batch} x {w.seq_len} = {w.tokens_per_step:,} tokens/step, micro batch {w.micro_batch}, "
-             f"{w.precision}",
+             f"{w.precision}" + (f", optimizer {w.optimizer}" if w.optimizer != "adamw" else ""),
              f"recommendation: {plan.reason}"]
     if plan.chosen is not None:
         layout = plan.chosen.layout

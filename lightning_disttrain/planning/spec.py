@@ -22,6 +22,8 @@ GPU_MEMORY_GB: dict[str, float] = {
 ``--gpu-memory 40``). HGX B200: 1,440 GB per 8 GPUs; GB200 NVL72: 13.4 TB per 72."""
 
 PRECISIONS = ("bf16", "fp8", "fp32", "bf16-pure")
+OPTIMIZERS = ("adamw", "muon")
+"""``GPTModule(optimizer=...)``: AdamW everywhere, or Muon on the blocks' 2-D weights and AdamW on the rest."""
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,15 @@ class Workload:
     flash: bool = True
     """Attention without a materialised score matrix (FlashAttention; torch's SDPA picks it on
     GPUs and its CPU flash kernel on CPU for causal attention without dropout)."""
+    optimizer: str = "adamw"
+    """``adamw`` or ``muon`` (``GPTModule(optimizer=...)``): Muon keeps one momentum per matrix
+    element instead of AdamW's two moments, and its step runs Newton-Schulz on each whole matrix."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is unknown; use one of {PRECISIONS}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is unknown; use one of {OPTIMIZERS}")
         for name in ("seq_len", "global_batch", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

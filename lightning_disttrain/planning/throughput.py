@@ -25,6 +25,9 @@ layout's communication.
   rank, x3 with backward), so only the transfer time beyond that compute is exposed.
 - ep: the dispatch and the combine all-to-all of k'·s·b·h per MoE block and micro-batch, forward and
   backward, (ep - 1)/ep of it leaving each rank; exposed.
+- muon (``Workload(optimizer="muon")``): the optimizer step's Newton-Schulz on the blocks' whole
+  matrices, split over the ranks that shard them, and its two all-to-alls; exposed
+  (``muon_step_seconds``).
 - dp: FSDP's all-gathers (forward and backward of every micro-step; ZeRO-2: forward only) and
   the gradient reduce-scatter, DDP's all-reduce, HSDP's all-reduce across nodes; overlapped with
   the compute, so only what exceeds it is exposed. With gradient accumulation FSDP reduce-scatters
@@ -208,12 +211,31 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
             dp_comm += (all_reduces * 2 * _ring(layout.dp_replicate) * (dense / n + experts / max(1, n // ep)) * 4
                         / inter)
     dp_exposed = max(0.0, dp_comm - compute)
+    muon = muon_step_seconds(shape, layout, peak * mfu, shard_bw) if workload.optimizer == "muon" else 0.0
     busy = compute + recompute + tp_comm + cp_comm + ep_comm
     bubble = pipeline_bubble(layout.pipeline, p) * busy if p > 1 else 0.0
     terms = {"compute": compute, "recompute": recompute, "bubble": bubble, "tp": tp_comm, "cp": cp_comm,
-             "pp": pp_comm, "ep": ep_comm, "dp": dp_exposed}
+             "pp": pp_comm, "ep": ep_comm, "dp": dp_exposed, "muon": muon}
     seconds = sum(terms.values())
     return Throughput(seconds, tokens / seconds, mfu, peak, flops, terms)
+
+
+def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, bandwidth: float) -> float:
+    """Muon's optimizer step on the busiest pipeline rank: Newton-Schulz on every whole matrix of
+    its blocks, split over the ``n = dp_shard x cp`` ranks that shard them (``ShardedMuon``: each
+    matrix on one owner; every replica of HSDP repeats it), at ``flops_per_s``; and its two
+    all-to-alls (the shards to their owners and the results back, bf16: 2 x 2 B per element of the
+    rank's 1/n, (n - 1)/n of it crossing), not overlapped. Under tensor parallel torch's Muon runs
+    on the DTensors instead: every rank computes every matrix (no split), and the per-matmul
+    collectives are not modelled."""
+    ranks = rank_stages(layout.pipeline, layout.pp, shape.n_layer)
+    layers = max((r.all_layers for r in ranks), key=lambda ls: sum(shape.newton_schulz_flops_of_layer(i) for i in ls))
+    flops = sum(shape.newton_schulz_flops_of_layer(i) for i in layers)
+    n = layout.dp_shard * layout.cp
+    if layout.tp > 1:
+        return flops / flops_per_s
+    elements = sum(shape.muon_params_of_layer(i) for i in layers)
+    return flops / n / flops_per_s + 2 * 2 * elements / n * _ring(n) / bandwidth
 
 
 @dataclass(frozen=True)

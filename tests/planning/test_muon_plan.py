@@ -1,0 +1,88 @@
+"""`plan --optimizer muon` (issue 41): Muon's optimizer state and its step priced from the matrices
+the optimizer really takes, and the Newton-Schulz FLOPs from the iteration the package runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_disttrain.cli import main
+from lightning_disttrain.models.gpt import GPT, GPTConfig
+from lightning_disttrain.optim import build_optimizer
+from lightning_disttrain.parallel.muon import newton_schulz
+from lightning_disttrain.planning import Cluster, Layout, Workload, config_for, memory_per_gpu, shape_of
+from lightning_disttrain.planning.memory import STATE_BYTES
+from lightning_disttrain.planning.planner import muon_params
+from lightning_disttrain.planning.throughput import step_terms
+
+TINY_LLAMA = dict(mlp="swiglu", norm="rmsnorm", pos_emb="rope", bias=False, n_kv_head=2)
+
+
+def test_the_plan_counts_the_matrices_build_optimizer_gives_muon():
+    config = GPTConfig.from_name("tiny", vocab_size=257, **TINY_LLAMA)
+    shape = shape_of(config, 64)
+    torch.manual_seed(0)
+    optimizer = build_optimizer(GPT(config), "muon")
+    muon = optimizer.optimizers[0]
+    taken = sum(p.numel() for group in muon.param_groups for p in group["params"])
+    assert muon_params(shape) == taken > 0
+    # q, k and v (2 K/V heads of 32), the output projection, SwiGLU's w1, w2, w3
+    assert shape.layer_matrices[0] == ((128, 128), (64, 128), (64, 128), (128, 128), (384, 128), (128, 384),
+                                       (384, 128))
+
+
+@pytest.mark.parametrize("rows, cols", [(64, 96), (96, 64), (48, 48)])
+def test_newton_schulz_flops_are_what_the_iteration_runs(rows, cols):
+    shape = shape_of(GPTConfig.from_name("tiny", vocab_size=257), 64)
+    one = type(shape)(**{**shape.__dict__, "layer_matrices": (((rows, cols),),)})
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(torch.randn(rows, cols), (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    assert counter.get_total_flops() == one.newton_schulz_flops_of_layer(0)
+
+
+def test_muon_state_is_one_momentum_per_matrix_element_sharded_as_adamws():
+    shape = shape_of(config_for("llama3-8b"), 8192)
+    cluster = Cluster("H100 SXM", 8, 1)
+    layout = Layout(dp_shard=8, zero=3, ac="selective")
+    adamw = memory_per_gpu(shape, layout, Workload(8192, 64, 1, "bf16"), cluster)
+    muon = memory_per_gpu(shape, layout, Workload(8192, 64, 1, "bf16", optimizer="muon"), cluster)
+    saved = muon_params(shape) * STATE_BYTES["bf16"].moments / 2 / 8  # 4 B of the 8, over 8 ranks
+    assert adamw.optimizer - muon.optimizer == pytest.approx(saved)
+    assert (adamw.params, adamw.grads, adamw.activations) == (muon.params, muon.grads, muon.activations)
+    assert 0.8 < muon_params(shape) / shape.params < 0.95  # the blocks' matrices: most of an 8B model
+
+
+def test_the_muon_step_is_split_over_the_shards_and_not_under_tensor_parallel():
+    shape = shape_of(config_for("llama3-8b"), 8192)
+    cluster = Cluster("H100 SXM", 8, 1)
+    workload = Workload(8192, 64, 1, "bf16", optimizer="muon")
+    fsdp = step_terms(shape, Layout(dp_shard=8, zero=3), workload, cluster).terms["muon"]
+    fsdp4 = step_terms(shape, Layout(dp_shard=4, zero=3), workload, cluster).terms["muon"]
+    tp = step_terms(shape, Layout(dp_shard=4, tp=2, zero=3), workload, cluster).terms["muon"]
+    adamw = step_terms(shape, Layout(dp_shard=8, zero=3), Workload(8192, 64, 1, "bf16"), cluster).terms
+    assert adamw["muon"] == 0.0
+    ns = sum(shape.newton_schulz_flops_of_layer(i) for i in range(shape.n_layer))
+    assert fsdp == pytest.approx(ns / 8 / (989e12 * 0.4), rel=0.1)  # Newton-Schulz dominates; the all-to-alls are small
+    assert fsdp4 == pytest.approx(2 * fsdp, rel=0.1)
+    assert tp == pytest.approx(ns / (989e12 * 0.4), rel=1e-3)  # torch's Muon on the DTensors: every rank every matrix
+
+
+def test_plan_with_muon_prints_and_writes_it(tmp_path, capsys):
+    path = tmp_path / "muon.yaml"
+    args = ["plan", "--model", "tiny", "--override", "vocab_size=257", "--gpu", "cpu", "--gpu-memory", "1",
+            "--seq-len", "64", "--global-batch", "8", "--micro-batch", "2", "--precision", "fp32",
+            "--gpus-per-node", "2", "--optimizer", "muon", "--write-config", str(path)]
+    main(args)
+    out = capsys.readouterr().out
+    assert "fp32, optimizer muon" in out
+    assert yaml.safe_load(path.read_text())["model"]["init_args"]["optimizer"] == "muon"
+    with pytest.raises(SystemExit):
+        main([*args[:-2], "--optimizer", "lion"])
+    assert "invalid choice: 'lion'" in capsys.readouterr().err
+
+
+def test_an_unknown_optimizer_in_a_workload_is_refused():
+    with pytest.raises(ValueError, match="optimizer='sgd' is unknown; use one of"):
+        Workload(64, 8, optimizer="sgd")
