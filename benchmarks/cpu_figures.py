@@ -30,24 +30,57 @@ rendered it in a footnote:
 - ``cpu-pp-bubble-memory`` (``bench_pp_bubble_memory``: section 11): the bubble per schedule against
   the number of micro-batches at p = 2 and p = 4, measured (mean and min-max over ranks) and the
   schedule's theory; and the activation memory per stage, GPipe against 1F1B (p = 2, m = 8), with
-  the ratio expected (m / (p - stage)).
+  the ratio expected (m / (p - stage));
 - ``cpu-sac`` (``bench_sac``: section 7): per model shape, the activation memory kept for backward
   against the step's CPU time for each activation checkpointing policy, both against ``none``,
   with the GFLOP each recomputes;
 - ``cpu-moe`` (``bench_moe_quality``: section 14): MoE (with and without the balancing bias) against
   the dense model of equal active parameters, held-out loss and tokens/s (median, p10-p90); and the
-  max/mean expert load per block along training, with and without the bias.
+  max/mean expert load per block along training, with and without the bias;
+- ``cpu-fsdp-throughput`` (``bench_fsdp_throughput``: section 5, ``bench_fsdp.py --part
+  throughput``, runs A and B): s/step per round of ours, the hand-written loop and Lightning's
+  ModelParallelStrategy, with the load average before each round; and each against the hand-written
+  loop (per round, ratio of the medians, best-of; computed here from the per-repeat s/step) with
+  the 0.95 target;
+- ``cpu-checkpoint-stall`` (``bench_checkpoint``: section 6): training blocked per save, sync against
+  async; the ordinary step, the step after a save and save start to complete; the fit's total;
+- ``cpu-eval`` (``bench_eval``: section 13): the time per checkpoint of each eval task (median,
+  min-max, ms per request); the steps ending in a checkpoint against an ordinary step with no evals,
+  inline and in a separate process, the pause computed as bench_eval.py does; the fit's total and
+  the part waited at its end;
+- ``cpu-preemption`` (``bench_preemption``: sections 15 and 15a): SIGTERM to the exit of every
+  process per run (median, min-max) with the trials' outcomes; the agreement's all_reduce at the
+  step boundary and on aligned ranks;
+- ``cpu-end-to-end`` (``bench_end_to_end``: section 18): the median time of each phase, stacked, for
+  plain, fit and fit-auto (07:30 UTC) and plain, lightning, fit and fit-auto (16:13 UTC), with the
+  median totals; and each phase's difference to plain (computed);
+- ``cpu-fault-tolerance`` (``bench_fault_tolerance``: section 19): the median step per round of the
+  four runs; the kill-to-step-alone time per heartbeat timeout; heal times by model size; and the
+  work lost per failure, checkpoint/restart against fault tolerance (computed, as printed);
+- ``cpu-setup-memory`` (``bench_setup_memory``: section 22): tensor, malloc and RSS peaks per rank
+  while setting a model up, meta build against the eager one, with the model, half of it and the
+  bound;
+- ``cpu-accumulation-memory`` (``bench_accumulation_memory``: section 23): measured against planned
+  peak and held between micro-batches, sharded and unsharded accumulation, and the modes' difference;
+- ``cpu-muon`` (``bench_muon``: ``bench_muon.py``'s own output file, section 24): collectives per
+  optimizer step and its time, ShardedMuon against torch.optim.Muon on the shards and AdamW, with
+  the earlier run's times on 2 and 4 ranks.
 
-A figure whose benchmark is not among the inputs is not written, and said so. As in gpu_report.py
-(both save through ``figure_output.py``): SVG text stays text, no creation date, fixed element ids,
-so the same inputs and command render the same bytes.
+The recorded JSONs other than bench_plan's, bench_cp's and bench_muon's (their benchmarks' own output;
+bench_muon's earlier run aside) are transcribed from docs/benchmarks.md; each says which section and
+run in ``source``. A figure
+whose benchmark is not among the inputs is not written, and said so. As in gpu_report.py (both save
+through ``figure_output.py``): SVG text stays text, no creation date, fixed element ids, so the same
+inputs and command render the same bytes.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
+import statistics
 import textwrap
 from typing import Any
 
@@ -58,7 +91,11 @@ REQUIRED = ("benchmark", "date", "machine", "command", "source")
 FIGURES = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
            "cpu-cp-memory": "bench_cp", "cpu-process-groups": "bench_process_groups",
            "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory",
-           "cpu-sac": "bench_sac", "cpu-moe": "bench_moe_quality"}
+           "cpu-sac": "bench_sac", "cpu-moe": "bench_moe_quality", "cpu-fsdp-throughput": "bench_fsdp_throughput",
+           "cpu-checkpoint-stall": "bench_checkpoint", "cpu-eval": "bench_eval", "cpu-preemption": "bench_preemption",
+           "cpu-end-to-end": "bench_end_to_end", "cpu-fault-tolerance": "bench_fault_tolerance",
+           "cpu-setup-memory": "bench_setup_memory", "cpu-accumulation-memory": "bench_accumulation_memory",
+           "cpu-muon": "bench_muon"}
 """Figure name -> the benchmark whose JSON it is drawn from."""
 LAYOUT_MARKERS = {"fsdp2": "o", "tp": "s", "pp-1f1b": "^", "pp-interleaved": "v", "pp-gpipe": "D", "ep": "P",
                   "cp": "X"}
@@ -256,6 +293,155 @@ def moe_load_series(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
                     "mean": [sum(v) / len(v) for v in per_step], "least": [min(v) for v in per_step],
                     "greatest": [max(v) for v in per_step]}
     return out
+
+
+def fsdp_throughput_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per run and variant: the per-repeat s/step, their min / median / max, tok/s at the best and
+    median s/step (tokens per step / s), and against the hand-written loop (its s/step over the
+    variant's: ``None`` for the loop itself): best-of, ratio of the medians, and per round (the
+    same round's hand / variant) with their min / median / max, all computed here from the
+    per-repeat s/step (bench_fsdp.py's computed them from the unrounded ones)."""
+    out = []
+    for run in data["runs"]:
+        hand = next(v for v in run["variants"] if v["variant"].startswith("hand-written"))
+        for v in run["variants"]:
+            steps = v["s_per_step"]
+            row = {"run": run["run"], "variant": v["variant"], "s_per_step": steps, "min": min(steps),
+                   "median": statistics.median(steps), "max": max(steps),
+                   "tok_s_best": data["tokens_per_step"] / min(steps),
+                   "tok_s_median": data["tokens_per_step"] / statistics.median(steps),
+                   "load_before_round": run["load_before_round"], "is_hand": v is hand}
+            if v is not hand:
+                rounds = [h / s for h, s in zip(hand["s_per_step"], steps, strict=True)]
+                row |= {"vs_hand_best_of": min(hand["s_per_step"]) / min(steps),
+                        "vs_hand_median": statistics.median(hand["s_per_step"]) / statistics.median(steps),
+                        "per_round": rounds, "per_round_min": min(rounds),
+                        "per_round_median": statistics.median(rounds), "per_round_max": max(rounds)}
+            out.append(row)
+    return out
+
+
+def checkpoint_modes(data: dict[str, Any]) -> dict[str, Any]:
+    """Per mode (sync, async): each save's blocking time and their median, the ordinary step, the
+    step after a save, save start to complete, the fit's total; and async against sync: the stall
+    ratio (blocked medians) and the fit's total."""
+    modes = {m["mode"]: m | {"blocked_median": statistics.median(m["blocked_s"])} for m in data["modes"]}
+    sync, asyn = modes["sync"], modes["async"]
+    return {"modes": modes, "stall_ratio": asyn["blocked_median"] / sync["blocked_median"],
+            "total_ratio": asyn["fit_total_s"] / sync["fit_total_s"],
+            "async_after_save_minus_step": asyn["step_after_save_s"] - asyn["step_s"]}
+
+
+def eval_task_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per task: items, requests, s min / median / max, ms per request as printed (bench_eval.py's,
+    from the unrounded s min: drawn) and computed here as bench_eval.py does (1000 x s min /
+    requests, from the printed s min); the last row, ``total``, as printed."""
+    return [{"task": t["task"], "items": t["items"], "requests": t["requests"], "s_min": t["s_min"],
+             "s_median": t["s_median"], "s_max": t["s_max"], "ms_per_request": t["ms_per_request"],
+             "ms_per_request_computed": 1000 * t["s_min"] / t["requests"]} for t in [*data["tasks"], data["total"]]]
+
+
+def eval_pause_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per mode: the ordinary step, the checkpoint steps, each one's pause over the ordinary step and
+    their median (bench_eval.py's 'pause over a step'), that median over the save-only run's, the
+    fit's total, its part waited at the end and the rest."""
+    none = statistics.median(c - data["pause"][0]["step_s"] for c in data["pause"][0]["checkpoint_steps_s"])
+    out = []
+    for p in data["pause"]:
+        pauses = [c - p["step_s"] for c in p["checkpoint_steps_s"]]
+        out.append({"mode": p["mode"], "step_s": p["step_s"], "checkpoint_steps_s": p["checkpoint_steps_s"],
+                    "pauses": pauses, "pause_median": statistics.median(pauses),
+                    "over_save_only": statistics.median(pauses) - none, "fit_total_s": p["fit_total_s"],
+                    "waited_at_end_s": p["waited_at_end_s"], "training_s": p["fit_total_s"] - p["waited_at_end_s"]})
+    return out
+
+
+def preemption_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per run: the signal-to-exit times (median, min, max; None where not given), the trials'
+    outcomes, and where measured the agreement's cost: at the step boundary, on aligned ranks, and
+    that over the median step (computed; the section prints it as a percentage)."""
+    out = []
+    for r in data["runs"]:
+        row = dict(r)
+        if r.get("agreement_aligned_ms") is not None:
+            row["aligned_share"] = r["agreement_aligned_ms"] / r["median_step_ms"]
+        out.append(row)
+    return out
+
+
+def end_to_end_runs(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per run: the variants, the phases (median s per variant), the median totals, each phase's
+    and the total's difference to plain, the total over plain's (ratio of the medians) and, where
+    the run gives its totals per round, fit / plain and fit-auto / plain round by round."""
+    out = []
+    for run in data["runs"]:
+        variants = run["variants"]
+        diffs = {v: {p["phase"]: p["s"][v] - p["s"]["plain"] for p in run["phases"]} for v in variants if v != "plain"}
+        row = {"run": run["run"], "variants": variants, "phases": run["phases"], "total_s": run["total_s"],
+               "minus_plain": diffs, "total_minus_plain": {v: run["total_s"][v] - run["total_s"]["plain"]
+                                                           for v in variants if v != "plain"},
+               "over_plain": {v: run["total_s"][v] / run["total_s"]["plain"] for v in variants}}
+        rounds = run.get("totals_per_round")
+        if rounds:
+            row["per_round_over_plain"] = {v: [a / b for a, b in zip(rounds[v], rounds["plain"], strict=True)]
+                                           for v in variants if v != "plain"}
+        out.append(row)
+    return out
+
+
+def fault_tolerance_numbers(data: dict[str, Any]) -> dict[str, Any]:
+    """Overhead: per run its step per round and their median, and per round one group alone / one
+    process and two groups / HSDP; failure: the kill-to-step-alone times per heartbeat timeout; heal:
+    per model, the survivor's heal step less its step (serving the state); work lost per failure
+    (computed, as bench_fault_tolerance.py does, from the rounded C, R, wait and relaunch the section
+    prints): the Young/Daly interval sqrt(2 C M), checkpoint/restart 2 x (interval / 2 + R), fault
+    tolerance wait - step + relaunch, and their ratio."""
+    runs = {r["run"]: r["step_ms_rounds"] for r in data["overhead"]}
+    one, alone, hsdp, groups = (runs[r["run"]] for r in data["overhead"])
+    w = data["work_lost_inputs"]
+    fault_tolerant = w["survivor_wait_s"] - w["survivor_step_s"] + w["relaunch_to_heal_s"]
+    lost = []
+    for r in data["work_lost"]:
+        interval = math.sqrt(2 * w["checkpoint_save_s"] * r["mtbf_h"] * 3600)
+        restart = 2 * (interval / 2 + w["restart_to_first_step_s"])
+        lost.append({"mtbf_h": r["mtbf_h"], "interval_s": interval, "restart_s": restart,
+                     "fault_tolerant_s": fault_tolerant, "ratio": restart / fault_tolerant, "recorded": r})
+    return {"overhead": [{"run": name, "rounds": ms, "median": statistics.median(ms)} for name, ms in runs.items()],
+            "alone_over_one_process": [a / b for a, b in zip(alone, one, strict=True)],
+            "groups_over_hsdp": [a / b for a, b in zip(groups, hsdp, strict=True)],
+            "failure": data["failure"],
+            "heal": [h | {"serving_ms": h["survivor_heal_step_ms"] - h["survivor_step_ms"]} for h in data["heal"]],
+            "work_lost": lost}
+
+
+def setup_memory_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per case: the bound computed here (1.1 x (half the model + its largest parameter), from the
+    printed MiB), the peaks, and the tensor peak over the bound and over the whole model."""
+    return [c | {"bound_computed": 1.1 * (c["model_fp32"] / 2 + c["largest_parameter"]),
+                 "half_model": c["model_fp32"] / 2, "peak_over_bound": c["tensor_peak"] / c["bound"],
+                 "peak_over_model": c["tensor_peak"] / c["model_fp32"]} for c in data["cases"]]
+
+
+def accumulation_rows(data: dict[str, Any]) -> dict[str, Any]:
+    """Per mode: measured and planned peak, their ratio, measured held between micro-batches and the
+    planned states (bytes); and the two modes' differences (unsharded - default), measured and
+    planned."""
+    rows = [r | {"ratio_computed": r["measured_peak"] / r["planned_peak"]} for r in data["rows"]]
+    default, unsharded = rows
+    return {"rows": rows, "differences": {
+        "measured_peak": unsharded["measured_peak"] - default["measured_peak"],
+        "held_between": unsharded["held_between"] - default["held_between"],
+        "planned_peak": unsharded["planned_peak"] - default["planned_peak"],
+        "planned_states": unsharded["planned_states"] - default["planned_states"]}}
+
+
+def muon_rows(data: dict[str, Any]) -> dict[str, Any]:
+    """This run per variant: collectives, median and min ms of the optimizer step, the median over
+    ShardedMuon's; and the earlier run's before/after times per rank count."""
+    sharded = data["results"]["sharded"]["median_ms"]
+    return {"variants": [{"variant": k, "description": data["variants"][k]} | v
+                         | {"over_sharded": v["median_ms"] / sharded} for k, v in data["results"].items()],
+            "earlier": data["earlier"]}
 
 
 # ---- drawing
@@ -595,9 +781,511 @@ def _draw_moe(plt, data: dict[str, Any], note: str, path: str) -> None:
     save_with_footnote(plt, fig, path, "4.0 = half of all assignments on one of the 8 experts. " + note)
 
 
+FSDP_VARIANTS = {"ours": ("C0", "o"), "hand-written": ("0.25", "s"), "GPTModule + Lightning": ("C1", "^")}
+"""Section 5's variants (by the start of their name) -> (colour, marker)."""
+
+
+def _fsdp_style(variant: str) -> tuple[str, str]:
+    return next((style for start, style in FSDP_VARIANTS.items() if variant.startswith(start)), ("C5", "x"))
+
+
+def _draw_fsdp_throughput(plt, data: dict[str, Any], note: str, path: str) -> None:
+    rows = fsdp_throughput_rows(data)
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    fig, axes = plt.subplots(1, len(runs) + 1, figsize=(5 * len(runs) + 5, 5.4),
+                             gridspec_kw={"width_ratios": [3] * len(runs) + [2.6]})
+    steps = [s for r in rows for s in r["s_per_step"]]
+    for ax, run in zip(axes, runs):
+        mine = [r for r in rows if r["run"] == run]
+        for r in mine:
+            color, marker = _fsdp_style(r["variant"])
+            ax.plot(range(len(r["s_per_step"])), r["s_per_step"], color=color, marker=marker, linewidth=1.2,
+                    label=f"{r['variant']}: median {r['median']:.3f}")
+        loads = mine[0]["load_before_round"]
+        ax.set_xticks(range(len(loads)), [f"{i}\n{load:.2f}" for i, load in enumerate(loads)], fontsize=8)
+        ax.set_ylim(min(steps) * 0.8, max(steps) * 1.08)
+        ax.set_xlabel("round (below: 1-min load average before it)")
+        ax.set_title(f"run {run}, {next(x['date'] for x in data['runs'] if x['run'] == run)}", fontsize=9)
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0].set_ylabel("s/step, mean of one repeat's 15 timed steps (rank 0)")
+    ax = axes[-1]
+    others = [r for r in rows if not r["is_hand"]]
+    for i, r in enumerate(others):
+        color, marker = _fsdp_style(r["variant"])
+        ax.errorbar(i, r["per_round_median"], yerr=[[r["per_round_median"] - r["per_round_min"]],
+                                                    [r["per_round_max"] - r["per_round_median"]]],
+                    color=color, marker=marker, capsize=4, markersize=7, linestyle="none")
+        ax.plot(i + 0.22, r["vs_hand_median"], marker="D", color=color, markerfacecolor="none", linestyle="none")
+        ax.plot(i + 0.22, r["vs_hand_best_of"], marker="x", color=color, markersize=7, linestyle="none")
+        ax.text(i, r["per_round_max"] + 0.01, f"{r['vs_hand_median']:.3f}\n{r['vs_hand_best_of']:.3f}",
+                ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.axhline(data["target_vs_hand"], color="C3", linestyle="--", linewidth=1,
+               label=f"target {data['target_vs_hand']:g} (as fast as the loop within 5%)")
+    ax.plot([], [], color="0.4", marker="o", linestyle="none", label="per round (the same round's): median, min-max")
+    ax.plot([], [], color="0.4", marker="D", markerfacecolor="none", linestyle="none",
+            label="ratio of the medians (upper number)")
+    ax.plot([], [], color="0.4", marker="x", linestyle="none", label="best-of (lower number)")
+    ax.set_xticks(range(len(others)), [f"run {r['run']}\n" + ("ours" if r["variant"].startswith("ours")
+                                                              else "Lightning's") for r in others], fontsize=8)
+    ax.set_xlim(-0.5, len(others) - 0.3)
+    ax.set_ylim(0.72, 1.6)
+    ax.set_ylabel("hand-written loop's s/step / the variant's")
+    ax.set_title("against the hand-written loop (>= 1: as fast or faster)", fontsize=9)
+    ax.legend(fontsize=6.5, loc="upper left")
+    fig.suptitle("FSDP2 throughput on 2 ranks: ours vs hand-written vs Lightning's ModelParallelStrategy "
+                 "(bench_fsdp.py --part throughput, gloo, 1 thread per rank)", fontsize=10)
+    save_with_footnote(plt, fig, path, f"{data['setting']}; {data['tokens_per_step']:,} tokens per step. Measured: "
+                                       "s/step per repeat; computed here from them: the medians and ratios. " + note)
+
+
+CHECKPOINT_COLORS = {"sync": "C3", "async": "C0"}
+"""Section 6's modes -> colour."""
+
+
+def _draw_checkpoint(plt, data: dict[str, Any], note: str, path: str) -> None:
+    numbers = checkpoint_modes(data)
+    modes = numbers["modes"]
+    fig, (ax, ax_step, ax_total) = plt.subplots(1, 3, figsize=(13, 4.9), gridspec_kw={"width_ratios": [3, 3, 1.6]})
+    width = 0.38
+    saves = len(next(iter(modes.values()))["blocked_s"])
+    for j, (mode, m) in enumerate(modes.items()):
+        xs = [i + (j - 0.5) * width for i in range(saves)]
+        ax.bar(xs, m["blocked_s"], width * 0.95, color=CHECKPOINT_COLORS[mode],
+               label=f"{mode}: median {m['blocked_median']:.3f} s")
+        for x, b in zip(xs, m["blocked_s"]):
+            ax.text(x, b, f"{b:.3f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(saves), [f"save {i + 1}\n(step {(i + 1) * data['every']})" for i in range(saves)], fontsize=8)
+    ax.set_ylabel("training blocked by the save, s")
+    ax.set_ylim(0, max(b for m in modes.values() for b in m["blocked_s"]) * 1.2)
+    ax.text(0.98, 0.8, f"async / sync (medians): {numbers['stall_ratio']:.3f}\n(bench_checkpoint.py, from the "
+                       f"unrounded: {data['less_blocking']:g}x less blocking)", transform=ax.transAxes, ha="right",
+            va="top", fontsize=8)
+    ax.legend(fontsize=7.5, loc="upper right")
+    ax.set_title(f"training blocked per save ({data['ckpt_mib']} MiB each)", fontsize=9)
+    groups = (("step_s", "ordinary step"), ("step_after_save_s", "the step after a save"),
+              ("complete_after_s", "save start ->\ncheckpoint complete"))
+    for j, (mode, m) in enumerate(modes.items()):
+        xs = [i + (j - 0.5) * width for i in range(len(groups))]
+        values = [m[key] for key, _ in groups]
+        ax_step.bar(xs, values, width * 0.95, color=CHECKPOINT_COLORS[mode], label=mode)
+        for x, v in zip(xs, values):
+            ax_step.text(x, v, f"{v:.3f}", ha="center", va="bottom", fontsize=7)
+    ax_step.set_xticks(range(len(groups)), [name for _, name in groups], fontsize=8)
+    ax_step.set_ylabel("s (medians)")
+    ax_step.set_ylim(0, max(m[key] for m in modes.values() for key, _ in groups) * 1.2)
+    ax_step.legend(fontsize=7.5, loc="upper left")
+    ax_step.set_title("the background write competes for the 2 cores", fontsize=9)
+    for j, (mode, m) in enumerate(modes.items()):
+        ax_total.bar(j, m["fit_total_s"], 0.6, color=CHECKPOINT_COLORS[mode])
+        ax_total.text(j, m["fit_total_s"], f"{m['fit_total_s']:.1f}", ha="center", va="bottom", fontsize=7.5)
+    ax_total.set_xticks(range(len(modes)), list(modes), fontsize=8)
+    ax_total.set_ylim(0, max(m["fit_total_s"] for m in modes.values()) * 1.25)
+    ax_total.set_ylabel("whole fit, s")
+    ax_total.set_title(f"fit total: async {1 - numbers['total_ratio']:.0%} sooner", fontsize=9)
+    fig.suptitle("Async vs sync checkpoint: training stall per save (bench_checkpoint.py, 2 CPU ranks, "
+                 f"{data['strategy']})", fontsize=10)
+    save_with_footnote(plt, fig, path, f"{data['setting']}. Measured: every number drawn; computed here: the "
+                                       "stall ratio and the fit's total ratio. " + note)
+
+
+EVAL_MODES = {"none": "0.55", "inline": "C3", "subprocess": "C0"}
+"""Section 13's modes -> colour."""
+
+
+def _draw_eval(plt, data: dict[str, Any], note: str, path: str) -> None:
+    tasks, pause = eval_task_rows(data), eval_pause_rows(data)
+    total = tasks[-1]
+    tasks = tasks[:-1]
+    fig, (ax, ax_pause, ax_total) = plt.subplots(1, 3, figsize=(15, 5.4), gridspec_kw={"width_ratios": [3.2, 2.8, 1.5]})
+    y = range(len(tasks))
+    ax.barh(y, [t["s_median"] for t in tasks], 0.6, color="C2",
+            xerr=[[t["s_median"] - t["s_min"] for t in tasks], [t["s_max"] - t["s_median"] for t in tasks]],
+            capsize=3, ecolor="0.3")
+    for i, t in enumerate(tasks):
+        ax.text(t["s_max"] + 0.4, i, f"{t['s_median']:.2f} s; {t['requests']} requests, "
+                                     f"{t['ms_per_request']:.1f} ms each", va="center", fontsize=7)
+    ax.set_yticks(list(y), [f"{t['task']} ({t['items']} items)" for t in tasks], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(t["s_max"] for t in tasks) * 1.75)
+    ax.set_xlabel("seconds per checkpoint, median of 2 rounds (bars: min-max)")
+    ax.set_title(f"time per task: total {total['s_median']:.2f} s (min {total['s_min']:.2f}, max "
+                 f"{total['s_max']:.2f}) for {total['items']} items,\n{total['requests']} requests, "
+                 f"{total['ms_per_request']:.1f} ms per request (ms/request: s min / requests)", fontsize=8.5)
+    width = 0.26
+    for i, p in enumerate(pause):
+        color = EVAL_MODES.get(p["mode"], "C5")
+        values = [p["step_s"], *p["checkpoint_steps_s"]]
+        for j, v in enumerate(values):
+            x = i + (j - 1) * width
+            ax_pause.bar(x, v, width * 0.92, color=color, alpha=0.45 if j == 0 else 1.0)
+            ax_pause.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6.5)
+        ax_pause.text(i, max(values) + 2.2, f"pause: median {p['pause_median']:.2f} s\n"
+                                            f"({p['over_save_only']:+.2f} s vs the save alone)",
+                      ha="center", va="bottom", fontsize=7)
+    ax_pause.set_xticks(range(len(pause)), [p["mode"] for p in pause])
+    ax_pause.set_ylim(0, max(max(p["checkpoint_steps_s"]) for p in pause) * 1.35)
+    ax_pause.set_ylabel("step wall time, s")
+    ax_pause.set_title("per mode: ordinary step (light), the steps ending in a checkpoint\n"
+                       "(steps 4 and 8: the save, and inline the evaluation)", fontsize=8.5)
+    for i, p in enumerate(pause):
+        color = EVAL_MODES.get(p["mode"], "C5")
+        ax_total.bar(i, p["training_s"], 0.6, color=color)
+        ax_total.bar(i, p["waited_at_end_s"], 0.6, bottom=p["training_s"], color=color, alpha=0.35, hatch="//")
+        ax_total.text(i, p["fit_total_s"], f"{p['fit_total_s']:.1f}", ha="center", va="bottom", fontsize=7.5)
+    ax_total.legend([plt.Rectangle((0, 0), 1, 1, facecolor="0.85", hatch="//", edgecolor="0.3")],
+                    ["waited at the end\nfor the evaluations"], fontsize=7, loc="upper left")
+    ax_total.set_xticks(range(len(pause)), [p["mode"] for p in pause], fontsize=8)
+    ax_total.set_ylim(0, max(p["fit_total_s"] for p in pause) * 1.3)
+    ax_total.set_ylabel("fit total, s")
+    ax_total.set_title("the fit (8 steps)", fontsize=8.5)
+    fig.suptitle("Checkpoint evals: time per task, and the training pause inline vs in a separate process "
+                 "(bench_eval.py, small GPT, 1 thread)", fontsize=10)
+    save_with_footnote(plt, fig, path, "Measured: the times (ms per request as bench_eval.py prints it); computed "
+                                       "here: the pause (checkpoint step - ordinary step, median, as bench_eval.py "
+                                       "does) and its difference to the save alone. Loaded machine (1-min load "
+                                       "2.8-3.7). " + note)
+
+
+def _draw_preemption(plt, data: dict[str, Any], note: str, path: str) -> None:
+    rows = preemption_rows(data)
+    fig, (ax, ax_agree) = plt.subplots(1, 2, figsize=(13, 5.6), gridspec_kw={"width_ratios": [3, 1.7]})
+    for i, r in enumerate(rows):
+        e = r["exit_s"]
+        color = f"C{i}"
+        low = e["min"] if e["min"] is not None else e["median"]
+        ax.plot([low, e["max"]], [i, i], color=color, linewidth=2)
+        ax.plot(e["median"], i, marker="o", color=color, markersize=8)
+        if e["min"] is not None:
+            ax.plot(e["min"], i, marker="|", color=color, markersize=10)
+        ax.plot(e["max"], i, marker="|", color=color, markersize=10)
+        outcome = (f"{r['preempted']} of {r['trials']} trials saved and exited 143; {r['resumed_bitwise']}/"
+                   f"{r['resumed_compared']} resumed bitwise; {r['steps_lost']} steps lost; {r['corrupted_accepted']} "
+                   f"corrupt of {r['reverified']} re-verified accepted")
+        ax.text(0.3, i - 0.3, outcome, fontsize=6.5, va="center", color="0.25")
+        ax.text(e["max"] + 0.3, i, f"{e['median']:.1f} s" + (f" ({e['min']:.1f}-{e['max']:.1f})" if e["min"] is not None
+                                                             else f" (max {e['max']:.1f}; min not given)"),
+                va="center", fontsize=7.5)
+    ax.axvline(data["grace_period_s"], color="C3", linestyle="--", linewidth=1)
+    ax.text(data["grace_period_s"] - 0.2, len(rows) - 0.45, f"grace_period_s=\"auto\" = {data['grace_period_s']} s\n"
+            "(15a's new callback)", ha="right", va="bottom", fontsize=7, color="C3")
+    ax.set_yticks(range(len(rows)), [f"{r['run']}\nsection {r['section']}, median step {r['median_step_ms']} ms"
+                                     for r in rows], fontsize=7.5)
+    ax.set_ylim(len(rows) - 0.4, -0.7)
+    ax.set_xlim(0, max(r["exit_s"]["max"] for r in rows) * 1.28)
+    ax.set_xlabel("SIGTERM to the exit of every process, s (saved trials: median, min-max)")
+    ax.set_title("signal to exit: finishing the step, the async save in flight, the synchronous save, teardown",
+                 fontsize=8.5)
+    measured = [r for r in rows if "aligned_share" in r]
+    width = 0.38
+    for i, r in enumerate(measured):
+        ax_agree.bar(i - width / 2, r["agreement_boundary_ms"], width * 0.95, color="C7")
+        ax_agree.bar(i + width / 2, r["agreement_aligned_ms"], width * 0.95, color="C0")
+        ax_agree.plot(i + width / 2, r["agreement_aligned_max_ms"], marker="_", color="C0", markersize=14, mew=2)
+        ax_agree.text(i - width / 2, r["agreement_boundary_ms"], f"{r['agreement_boundary_ms']:g}", ha="center",
+                      va="bottom", fontsize=7)
+        ax_agree.text(i + width / 2, r["agreement_aligned_ms"], f"{r['agreement_aligned_ms']:g}", ha="center",
+                      va="bottom", fontsize=7)
+        ax_agree.text(i + width / 2, r["agreement_aligned_max_ms"], f"max {r['agreement_aligned_max_ms']:g}",
+                      ha="center", va="bottom", fontsize=7)
+        ax_agree.text(i, -0.14, f"aligned: {r['agreement_share']:g}% of the\n{r['median_step_ms']} ms step "
+                                f"(as printed)",
+                      transform=ax_agree.get_xaxis_transform(), ha="center", va="top", fontsize=7)
+    ax_agree.set_xticks(range(len(measured)), [r["run"] for r in measured], fontsize=7.5)
+    ax_agree.set_ylim(0, max(r["agreement_aligned_max_ms"] for r in measured) * 1.6)
+    ax_agree.set_ylabel("all_reduce(MAX) of one int32 per step, ms")
+    ax_agree.set_title("cost of the agreement (the reference run)", fontsize=8.5)
+    ax_agree.legend([plt.Rectangle((0, 0), 1, 1, color="C7"), plt.Rectangle((0, 0), 1, 1, color="C0")],
+                    ["at the step boundary (mostly waiting\nfor the slower rank), median",
+                     "the same all_reduce on aligned ranks,\nmedian (dash: max)"], fontsize=7, loc="upper left")
+    fig.suptitle("Preemption: SIGTERM to a random rank at a random moment, exit time and cost of the agreement "
+                 "(bench_preemption.py, tiny GPT, 2 gloo ranks)", fontsize=10)
+    save_with_footnote(plt, fig, path, "Measured: every time drawn; computed here: the aligned all_reduce over the "
+                                       "median step. The runs differ in machine load (median step 57-583 ms): compare "
+                                       "within a section. " + note, right=1.0)
+
+
+E2E_PHASES = {"interpreter start": "0.75", "imports": "C1", "CLI + Trainer setup": "C3", "data preparation": "0.6",
+              "model build": "C4", "before the first step": "C8", "first step": "C6", "steady steps": "C0",
+              "validation": "C2", "checkpoint save": "C9", "teardown": "C5"}
+"""Section 18's phases -> colour."""
+
+
+def _draw_end_to_end(plt, data: dict[str, Any], note: str, path: str) -> None:
+    runs = end_to_end_runs(data)
+    fig, (ax, ax_diff) = plt.subplots(1, 2, figsize=(15, 6.4), gridspec_kw={"width_ratios": [3.2, 2.4]})
+    y, labels, seen = 0.0, [], set()
+    ys = []
+    for run in runs:
+        for v in run["variants"]:
+            left = 0.0
+            for p in run["phases"]:
+                value = p["s"][v]
+                ax.barh(y, value, 0.7, left=left, color=E2E_PHASES.get(p["phase"], "C7"),
+                        label=p["phase"] if p["phase"] not in seen else None)
+                seen.add(p["phase"])
+                if value >= 1.3:
+                    ax.text(left + value / 2, y, f"{value:.2f}", ha="center", va="center", fontsize=6.5,
+                            color="white")
+                left += value
+            total = run["total_s"][v]
+            ax.plot(total, y, marker="|", color="black", markersize=16, mew=2)
+            ratio = f" ({run['over_plain'][v]:.3f}x plain)" if v != "plain" else ""
+            ax.text(total + 0.4, y, f"{total:.2f} s{ratio}", va="center", fontsize=7.5)
+            labels.append(f"{run['run']}: {v}")
+            ys.append(y)
+            y += 1
+        y += 0.6
+    ax.plot([], [], marker="|", color="black", markersize=12, mew=2, linestyle="none",
+            label="median total (spawn to exit)")
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(t for r in runs for t in r["total_s"].values()) * 1.3)
+    ax.set_xlabel("seconds, median of 3 runs per phase (the phases' medians need not add up to the median total)")
+    ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4)
+    ax.set_title("where the time goes, phase by phase", fontsize=9)
+    series = []
+    for run in runs:
+        for v in run["variants"]:
+            if v == "plain" or (run["run"] == runs[-1]["run"] and v == "fit-auto"):
+                continue
+            series.append((f"{run['run']}: {v} - plain", run["minus_plain"][v]))
+    phases = list(dict.fromkeys(p["phase"] for run in runs for p in run["phases"]))
+    height = 0.8 / len(series)
+    for j, (name, diffs) in enumerate(series):
+        yy = [i + (j - (len(series) - 1) / 2) * height for i, phase in enumerate(phases) if phase in diffs]
+        values = [diffs[phase] for phase in phases if phase in diffs]
+        ax_diff.barh(yy, values, height * 0.95, color=f"C{j}", label=name)
+    ax_diff.axvline(0, color="black", linewidth=0.8)
+    ax_diff.set_yticks(range(len(phases)), phases, fontsize=8)
+    ax_diff.invert_yaxis()
+    ax_diff.set_xlabel("difference to plain, s (median phase - plain's median phase)")
+    ax_diff.legend(fontsize=7, loc="lower right")
+    ax_diff.set_title("the gap to the plain PyTorch script, per phase", fontsize=9)
+    fig.suptitle("End to end: the tiny GPT, 400 steps, plain PyTorch script vs lightning-disttrain fit "
+                 "(bench_end_to_end.py, 1 process, 2 threads)", fontsize=10)
+    save_with_footnote(plt, fig, path, "07:30: before one-process runs skipped FSDP2 (fit = FSDP2 on a one-rank mesh); "
+                                       "16:13: after that and the loggers-only logging, with lightning, a hand-written "
+                                       "L.Trainer script, and no rows for interpreter start, data preparation and the "
+                                       "first step. Measured: the phase and total medians; computed here: the "
+                                       "differences and ratios (the section's headline ratios are round by round). "
+                       + note)
+
+
+def _draw_fault_tolerance(plt, data: dict[str, Any], note: str, path: str) -> None:
+    n = fault_tolerance_numbers(data)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 10))
+    (ax, ax_fail), (ax_heal, ax_lost) = axes
+    for i, r in enumerate(n["overhead"]):
+        ax.bar(i, r["median"], 0.6, color=f"C{i}", alpha=0.5)
+        ax.plot([i] * len(r["rounds"]), r["rounds"], marker="o", color=f"C{i}", linestyle="none", markersize=5)
+        ax.text(i, max(r["rounds"]) + 1, f"{r['median']:g}", ha="center", va="bottom", fontsize=7.5)
+    ax.set_xticks(range(len(n["overhead"])), ["\n".join(textwrap.wrap(r["run"], 18)) for r in n["overhead"]],
+                  fontsize=7.5)
+    ax.set_ylim(0, max(max(r["rounds"]) for r in n["overhead"]) * 1.5)
+    ax.set_ylabel("median step, ms (dots: rounds 1-3; bar: median)")
+    ratios = "\n".join(f"{name}, per round (min median max): {r['min']:.3f} {r['median']:.3f} {r['max']:.3f}"
+                       for name, r in data["overhead_ratios"].items())
+    ax.text(0.02, 0.97, ratios, transform=ax.transAxes, va="top", fontsize=7.5)
+    ax.set_title("overhead per step (tiny GPT)", fontsize=9)
+    timeouts = sorted({r["heartbeat_timeout_ms"] for r in n["failure"]})
+    width = 0.36
+    for r in n["failure"]:
+        t = r["heartbeat_timeout_ms"] / 1000
+        x = timeouts.index(r["heartbeat_timeout_ms"]) + (r["command"] - 1.5) * width
+        values = r["kill_to_step_alone_s"]
+        mid = statistics.median(values)
+        color = "C0" if r["command"] == 1 else "C1"
+        ax_fail.bar(x, mid, width * 0.9, color=color, alpha=0.6,
+                    yerr=[[mid - min(values)], [max(values) - mid]], capsize=3, ecolor="0.3")
+        ax_fail.hlines(t, x - width * 0.45, x + width * 0.45, color="black", linestyle="--", linewidth=1)
+        ax_fail.text(x, max(values) + 0.1, f"{mid:.3f} s\n({len(values)} run{'s' if len(values) > 1 else ''})\n"
+                                           f"timeout +{(mid - t) * 1000:.0f} ms;\nstep {r['step_before_ms']:g} ms",
+                     ha="center", va="bottom", fontsize=7)
+    ax_fail.set_xticks(range(len(timeouts)), [f"heartbeat timeout {t:,} ms" for t in timeouts])
+    ax_fail.set_ylim(0, max(max(r["kill_to_step_alone_s"]) for r in n["failure"]) * 1.45)
+    ax_fail.set_ylabel("SIGKILL of a group -> survivor's first step alone, s")
+    ax_fail.set_title("a group dies: the survivor waits the timeout plus about one step\n"
+                      "(median, min-max; no survivor step lost in any run)", fontsize=9)
+    ax_fail.legend([plt.Rectangle((0, 0), 1, 1, color="C0", alpha=0.6),
+                    plt.Rectangle((0, 0), 1, 1, color="C1", alpha=0.6),
+                    plt.Line2D([], [], color="black", linestyle="--", linewidth=1)],
+                   ["first command", "second command", "the heartbeat timeout"], fontsize=7.5, loc="upper left")
+    heal = n["heal"]
+    params = [h["params_m"] for h in heal]
+    for key, name, color, scale in (("survivor_step_ms", "survivor's step", "C7", 1e-3),
+                                    ("survivor_heal_step_ms", "survivor's heal step (serving the state)", "C3", 1e-3),
+                                    ("joiner_load_state_dict_ms", "joiner's load_state_dict", "C2", 1e-3),
+                                    ("joiner_launch_to_heal_s", "joiner: launch -> heal step done", "C0", 1)):
+        values = [h[key] * scale for h in heal]
+        ax_heal.plot(params, values, marker="o", color=color, label=name)
+        for x, v in zip(params, values):
+            ax_heal.annotate(f"{v:g}", (x, v), xytext=(-4, 5), textcoords="offset points", fontsize=6.5, color=color,
+                             ha="right")
+    ax_heal.set_xscale("log")
+    ax_heal.set_yscale("log")
+    ax_heal.set_xticks(params, [f"{h['model']}\n{h['params_m']:g} M parameters" for h in heal], fontsize=7.5)
+    ax_heal.minorticks_off()
+    ax_heal.set_xlim(params[0] / 2.5, params[-1] * 2)
+    ax_heal.set_ylabel("seconds")
+    ax_heal.set_title("heal by model size: a new group joins, the survivor serves the state\n"
+                      "(the joiner's weights bitwise the survivor's in every run)", fontsize=9)
+    ax_heal.legend(fontsize=7, loc="lower right")
+    width = 0.38
+    for i, lost in enumerate(n["work_lost"]):
+        r = lost["recorded"]
+        ax_lost.bar(i - width / 2, r["restart_s"], width * 0.95, color="C3",
+                    label="checkpoint/restart" if i == 0 else None)
+        ax_lost.bar(i + width / 2, r["fault_tolerant_s"], width * 0.95, color="C0",
+                    label="fault tolerant" if i == 0 else None)
+        ax_lost.text(i - width / 2, r["restart_s"], f"{r['restart_s']:g}\n(interval {r['interval_s']:g} s)",
+                     ha="center", va="bottom", fontsize=7)
+        ax_lost.text(i + width / 2, r["fault_tolerant_s"], f"{r['fault_tolerant_s']:g}\n({r['ratio']:.1f}x less)",
+                     ha="center", va="bottom", fontsize=7)
+    ax_lost.set_xticks(range(len(n["work_lost"])), [f"job MTBF {r['mtbf_h']} h" for r in n["work_lost"]])
+    ax_lost.set_ylim(0, max(r["recorded"]["restart_s"] for r in n["work_lost"]) * 1.25)
+    ax_lost.set_ylabel("work lost per failure, group-seconds (2 groups)")
+    w = data["work_lost_inputs"]
+    ax_lost.set_title(f"work lost per failure, computed (C = {w['checkpoint_save_s'] * 1000:g} ms, "
+                      f"R = {w['restart_to_first_step_s']:g} s,\nwait {w['survivor_wait_s']:g} s - a "
+                      f"{w['survivor_step_s'] * 1000:g} ms step, relaunch {w['relaunch_to_heal_s']:g} s)", fontsize=9)
+    ax_lost.legend(fontsize=7.5, loc="upper left")
+    fig.suptitle("Fault tolerance across replica groups (torchft): quorum overhead, failure, heal by model size, "
+                 "work lost (bench_fault_tolerance.py)", fontsize=10)
+    save_with_footnote(plt, fig, path, "Work lost, as the section prints it (bench_fault_tolerance.py computed it "
+                                       "from the unrounded C, R, wait and relaunch): checkpoint/restart 2 x "
+                                       "(sqrt(2 C M) / 2 + R), fault tolerant wait - step + relaunch. Measured: the "
+                                       "overhead, failure and heal times. Localhost, HTTP transport on 2 cores: not "
+                                       "GPUs, NCCL or a network. " + note)
+
+
+def _draw_setup_memory(plt, data: dict[str, Any], note: str, path: str) -> None:
+    rows = setup_memory_rows(data)
+    fig, ax = plt.subplots(figsize=(9.5, 5.6))
+    bars = (("tensor_peak", "tensor peak (live storages)", "C0"), ("malloc_peak", "malloc peak", "C1"),
+            ("rss_peak", "RSS peak (VmHWM)", "C2"))
+    width = 0.22
+    for i, r in enumerate(rows):
+        for j, (key, name, color) in enumerate(bars):
+            x = i + (j - 1) * width
+            ax.bar(x, r[key], width * 0.92, color=color, label=name if i == 0 else None)
+            ax.text(x, r[key], f"{r[key]:,}", ha="center", va="bottom", fontsize=7)
+        span = (i - 0.45, i + 0.45)
+        ax.hlines(r["model_fp32"], *span, color="black", linewidth=1.5, label="the model, fp32" if i == 0 else None)
+        ax.hlines(r["bound"], *span, color="C3", linestyle="--", linewidth=1.5,
+                  label="bound: 1.1 x (half the model + largest parameter)" if i == 0 else None)
+        ax.hlines(r["half_model"], *span, color="0.5", linestyle=":", linewidth=1.5,
+                  label="half the model (one rank's shard)" if i == 0 else None)
+        ax.text(i + 0.45, r["model_fp32"], f" {r['model_fp32']:,}", va="center", fontsize=7)
+        ax.text(i + 0.45, r["bound"], f" {r['bound']:,}", va="center", fontsize=7, color="C3")
+        top = max(r["model_fp32"], *(r[key] for key, _, _ in bars))
+        ax.text(i, top * 1.04, f"tensor peak {r['peak_over_bound']:.2f}x the bound, "
+                                           f"{r['peak_over_model']:.2f}x the model", ha="center", va="bottom",
+                fontsize=7.5)
+    builds = {"meta": "meta build (default)", "eager": "eager build, empty_init=False (before)"}
+    ax.set_xticks(range(len(rows)), [f"{r['preset']}: {builds.get(r['build'], r['build'])}" for r in rows],
+                  fontsize=8)
+    ax.set_xlim(-0.6, len(rows) - 0.25)
+    ax.set_ylim(0, max(r["model_fp32"] for r in rows) * 1.25)
+    ax.set_ylabel("MiB per rank (configure_model to strategy.setup)")
+    ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle("Peak memory per rank while setting a model up under fsdp2, 2 gloo ranks (bench_setup_memory.py)",
+                 fontsize=10)
+    save_with_footnote(plt, fig, path, "Different models: read each against its own lines. Measured: the peaks; the "
+                                       "bound as printed (1.1 x (half + largest)). " + note)
+
+
+def _draw_accumulation(plt, data: dict[str, Any], note: str, path: str) -> None:
+    numbers = accumulation_rows(data)
+    rows, diffs = numbers["rows"], numbers["differences"]
+    mib = 2**20
+    fig, (ax, ax_diff) = plt.subplots(1, 2, figsize=(12.5, 5.2), gridspec_kw={"width_ratios": [3, 2]})
+    bars = (("measured_peak", "measured peak", "C0", 1.0), ("planned_peak", "planned peak", "C0", 0.4),
+            ("held_between", "held between micro-batches (measured)", "C2", 1.0),
+            ("planned_states", "planned states", "C2", 0.4))
+    width = 0.2
+    for i, r in enumerate(rows):
+        for j, (key, name, color, alpha) in enumerate(bars):
+            x = i + (j - 1.5) * width
+            ax.bar(x, r[key] / mib, width * 0.92, color=color, alpha=alpha, label=name if i == 0 else None)
+            ax.text(x, r[key] / mib, f"{r[key] / mib:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.text(i - width, r["planned_peak"] / mib * 1.07, f"measured / planned {r['ratio_computed']:.3f}",
+                ha="center", va="bottom", fontsize=7.5)
+    ax.set_xticks(range(len(rows)), ["default: reduce-scatter\nevery micro-batch", "accumulate_unsharded_grads=True"],
+                  fontsize=8)
+    ax.set_ylim(0, max(r["planned_peak"] for r in rows) / mib * 1.3)
+    ax.set_ylabel("MiB per rank (rank 0, live tensor storages)")
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    ax.set_title("planned against measured, per mode", fontsize=9)
+    items = (("measured_peak", "at the peak\n(measured)", "C0", 1.0),
+             ("held_between", "between micro-batches\n(measured)", "C2", 1.0), ("planned_states", "planned", "C2", 0.4))
+    for i, (key, name, color, alpha) in enumerate(items):
+        ax_diff.bar(i, diffs[key] / mib, 0.6, color=color, alpha=alpha)
+        ax_diff.text(i, diffs[key] / mib, f"{diffs[key]:,} B", ha="center", va="bottom", fontsize=7.5)
+    ax_diff.set_xticks(range(len(items)), [name for _, name, _, _ in items], fontsize=8)
+    ax_diff.set_ylim(0, max(diffs.values()) / mib * 1.25)
+    ax_diff.set_ylabel("accumulate_unsharded_grads=True - default, MiB")
+    ax_diff.set_title("what unsharded accumulation adds: the unsharded half\nof the fp32 gradient", fontsize=9)
+    fig.suptitle("Gradient accumulation under FSDP2 on 2 gloo ranks: planned against measured "
+                 "(bench_accumulation_memory.py)", fontsize=10)
+    save_with_footnote(plt, fig, path, f"{data['setting']}. Measured: the peaks and what is held; planned: "
+                                       "planning/memory.py; computed here: the ratios and differences. " + note)
+
+
+MUON_COLORS = {"sharded": "C0", "torch": "C3", "adamw": "0.5"}
+"""Section 24's variants -> colour."""
+
+
+def _draw_muon(plt, data: dict[str, Any], note: str, path: str) -> None:
+    numbers = muon_rows(data)
+    variants, earlier = numbers["variants"], numbers["earlier"]
+    fig, (ax, ax_time) = plt.subplots(1, 2, figsize=(12.5, 5.2), gridspec_kw={"width_ratios": [2, 3]})
+    names = {"sharded": "ShardedMuon\n(now)", "torch": "torch.optim.Muon\non the shards (before)", "adamw": "AdamW"}
+    for i, v in enumerate(variants):
+        ax.bar(i, v["collectives"], 0.6, color=MUON_COLORS.get(v["variant"], "C5"))
+        ax.text(i, v["collectives"], f"{v['collectives']}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(variants)), [names.get(v["variant"], v["variant"]) for v in variants], fontsize=8)
+    ax.set_ylim(0, max(v["collectives"] for v in variants) * 1.15)
+    ax.set_ylabel("collectives in one optimizer step (CommDebugMode)")
+    ax.set_title("collectives per optimizer step (last of 8 steps)", fontsize=9)
+    width = 0.26
+    groups = [("this run, 2 ranks\n(median; dash: min)",
+               {v["variant"]: (v["median_ms"], v["min_ms"]) for v in variants})]
+    groups += [(f"earlier run, {e['ranks']} ranks" + ("\n(4 processes on 2 cores)" if e["ranks"] > 2 else ""),
+                {"sharded": (e["sharded_ms"], None), "torch": (e["torch_ms"], None)}) for e in earlier]
+    order = ("sharded", "torch", "adamw")
+    for i, (_, times) in enumerate(groups):
+        for j, key in enumerate(order):
+            if key not in times:
+                continue
+            x = i + (j - 1) * width
+            value, low = times[key]
+            ax_time.bar(x, value, width * 0.92, color=MUON_COLORS[key],
+                        label=names[key].replace("\n", " ") if i == 0 else None)
+            ax_time.text(x, value, f"{value:.0f}", ha="center", va="bottom", fontsize=7.5)
+            if low is not None:
+                ax_time.plot(x, low, marker="_", color="black", markersize=12, mew=1.5)
+        ax_time.text(i, max(t[0] for t in times.values()) * 1.08 + 60,
+                     f"{times['torch'][0] / times['sharded'][0]:.1f}x", ha="center", va="bottom", fontsize=8)
+    ax_time.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+    ax_time.set_ylim(0, max(t[0] for _, times in groups for t in times.values()) * 1.25)
+    ax_time.set_ylabel("optimizer step, ms (steps 3-8)")
+    ax_time.set_title("optimizer step time (above: torch.optim.Muon / ShardedMuon); machine busy: indicative",
+                      fontsize=9)
+    ax_time.legend(fontsize=7.5, loc="upper left")
+    fig.suptitle("Muon under FSDP2: each matrix orthogonalised once, on its owner rank (bench_muon.py, tiny GPT, "
+                 "gloo, 1 thread per rank)", fontsize=10)
+    save_with_footnote(plt, fig, path, "Measured: collectives and times (bytes moved are not measured by "
+                                       "bench_muon.py). The earlier run's numbers are from the section's text "
+                                       "(medians or minima not said). " + note)
+
+
 DRAW = {"cpu-plan-vs-measured": _draw_plan, "cpu-fsdp-memory": _draw_fsdp, "cpu-cp-memory": _draw_cp,
         "cpu-process-groups": _draw_groups, "cpu-tp-memory": _draw_tp, "cpu-pp-bubble-memory": _draw_pp,
-        "cpu-sac": _draw_sac, "cpu-moe": _draw_moe}
+        "cpu-sac": _draw_sac, "cpu-moe": _draw_moe, "cpu-fsdp-throughput": _draw_fsdp_throughput,
+        "cpu-checkpoint-stall": _draw_checkpoint, "cpu-eval": _draw_eval, "cpu-preemption": _draw_preemption,
+        "cpu-end-to-end": _draw_end_to_end, "cpu-fault-tolerance": _draw_fault_tolerance,
+        "cpu-setup-memory": _draw_setup_memory, "cpu-accumulation-memory": _draw_accumulation, "cpu-muon": _draw_muon}
 
 
 def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = "svg") -> dict[str, Any]:
@@ -605,7 +1293,9 @@ def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = 
     files written (``files``: figure name -> path), the figures not written and why (``skipped``),
     and the numbers drawn (``plan``, ``fsdp_memory``, ``cp_memory``, ``process_groups``,
     ``tp_memory``, ``tp_activations``, ``pp_bubble``, ``pp_memory``, ``sac``, ``moe_models``,
-    ``moe_load``; None where the benchmark is not among the inputs)."""
+    ``moe_load``, ``fsdp_throughput``, ``checkpoint_stall``, ``eval_tasks``, ``eval_pause``,
+    ``preemption``, ``end_to_end``, ``fault_tolerance``, ``setup_memory``, ``accumulation_memory``,
+    ``muon``; None where the benchmark is not among the inputs)."""
     check_format(fmt)
     results = load_results(inputs)
     from lightning_disttrain.planning.plot import pyplot  # matplotlib on Agg, or what to install
@@ -633,7 +1323,16 @@ def plot_results(inputs: list[str], out_dir: str, command: str = "", fmt: str = 
             "pp_bubble": drawn("bench_pp_bubble_memory", pp_bubble_series),
             "pp_memory": drawn("bench_pp_bubble_memory", pp_memory_rows), "sac": drawn("bench_sac", sac_rows),
             "moe_models": drawn("bench_moe_quality", moe_model_rows),
-            "moe_load": drawn("bench_moe_quality", moe_load_series)}
+            "moe_load": drawn("bench_moe_quality", moe_load_series),
+            "fsdp_throughput": drawn("bench_fsdp_throughput", fsdp_throughput_rows),
+            "checkpoint_stall": drawn("bench_checkpoint", checkpoint_modes),
+            "eval_tasks": drawn("bench_eval", eval_task_rows), "eval_pause": drawn("bench_eval", eval_pause_rows),
+            "preemption": drawn("bench_preemption", preemption_rows),
+            "end_to_end": drawn("bench_end_to_end", end_to_end_runs),
+            "fault_tolerance": drawn("bench_fault_tolerance", fault_tolerance_numbers),
+            "setup_memory": drawn("bench_setup_memory", setup_memory_rows),
+            "accumulation_memory": drawn("bench_accumulation_memory", accumulation_rows),
+            "muon": drawn("bench_muon", muon_rows)}
 
 
 def main(argv: list[str] | None = None) -> int:

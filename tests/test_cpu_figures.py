@@ -5,6 +5,7 @@ recomputed here from the JSONs."""
 import html
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -41,7 +42,11 @@ def test_every_figure_is_drawn_with_its_data_machine_date_and_command(rendered):
     names = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
              "cpu-cp-memory": "bench_cp", "cpu-process-groups": "bench_process_groups",
              "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory",
-             "cpu-sac": "bench_sac", "cpu-moe": "bench_moe_quality"}
+             "cpu-sac": "bench_sac", "cpu-moe": "bench_moe_quality", "cpu-fsdp-throughput": "bench_fsdp_throughput",
+             "cpu-checkpoint-stall": "bench_checkpoint", "cpu-eval": "bench_eval", "cpu-preemption": "bench_preemption",
+             "cpu-end-to-end": "bench_end_to_end", "cpu-fault-tolerance": "bench_fault_tolerance",
+             "cpu-setup-memory": "bench_setup_memory", "cpu-accumulation-memory": "bench_accumulation_memory",
+             "cpu-muon": "bench_muon"}
     assert set(result["files"]) == set(names)
     for figure, benchmark in names.items():
         assert result["files"][figure] == str(out / f"{figure}.svg")
@@ -228,6 +233,182 @@ def test_moe_figure_recomputes_throughput_against_dense_and_the_load_per_step(re
     assert all(w < wo for w, wo in zip(load["with_bias"]["mean"][1:], load["without_bias"]["mean"][1:]))
 
 
+def test_fsdp_throughput_figure_recomputes_each_variant_against_the_hand_written_loop(rendered):
+    _, result = rendered
+    data = _recorded("bench_fsdp_throughput")
+    rows = {(r["run"], r["variant"]): r for r in result["fsdp_throughput"]}
+    assert [run["run"] for run in data["runs"]] == ["A", "B"] and len(rows) == 6
+    for run in data["runs"]:
+        for v in run["variants"]:
+            drawn = rows[(run["run"], v["variant"])]
+            assert len(drawn["s_per_step"]) == 7  # --repeats 7
+            # min / median / max over the repeats and tok/s (1,024 tokens per step): the printed table
+            assert (drawn["min"], drawn["median"], drawn["max"]) == (v["min"], v["median"], v["max"])
+            assert drawn["tok_s_best"] == pytest.approx(v["tok_s_best"], abs=1)  # printed from the unrounded s/step
+            assert drawn["tok_s_median"] == pytest.approx(v["tok_s_median"], abs=1)
+            if drawn["is_hand"]:
+                continue
+            # the 'vs hand' table, recomputed from the printed (rounded) per-repeat s/step
+            for key in ("vs_hand_best_of", "vs_hand_median", "per_round_min", "per_round_median", "per_round_max"):
+                assert drawn[key] == pytest.approx(v[key], abs=0.0015), (run["run"], v["variant"], key)
+    ours = {run: rows[(run, "ours: GPTModule + FSDP2Strategy")] for run in ("A", "B")}
+    # section 5: ratio of medians 0.991 (A) and 0.972 (B); per round 1.006 and 1.004; best-of 0.904 and 0.963
+    assert [round(ours[r]["vs_hand_median"], 3) for r in ("A", "B")] == [0.991, 0.972]
+    assert [ours[r]["per_round_median"] for r in ("A", "B")] == pytest.approx([1.006, 1.004], abs=0.0015)
+    assert [round(ours[r]["vs_hand_best_of"], 3) for r in ("A", "B")] == [0.904, 0.963]
+    # 'the hand loop in A: 0.951 to 1.365 s/step'
+    hand = rows[("A", "hand-written FSDP2 loop")]
+    assert (hand["min"], hand["max"]) == (0.951, 1.365)
+
+
+def test_checkpoint_figure_recomputes_the_stall_ratio_from_each_save(rendered):
+    _, result = rendered
+    data = _recorded("bench_checkpoint")
+    numbers = result["checkpoint_stall"]
+    modes = numbers["modes"]
+    assert list(modes) == ["sync", "async"]
+    for m in data["modes"]:
+        assert len(m["blocked_s"]) == 4  # 12 steps, a save every 3
+        # 'save blocks' is the median of the four saves
+        assert modes[m["mode"]]["blocked_median"] == pytest.approx(m["blocked_median_s"], abs=0.0005)
+    # section 6: stall ratio 0.103, 9.7x less blocking; the fit 13% sooner; the step after an async save 2.3 s slower
+    assert round(numbers["stall_ratio"], 3) == data["stall_ratio"] == 0.103
+    assert 1 / numbers["stall_ratio"] == pytest.approx(data["less_blocking"], abs=0.06)
+    assert round(1 - numbers["total_ratio"], 2) == 0.13
+    assert round(numbers["async_after_save_minus_step"], 1) == 2.3
+
+
+def test_eval_figure_recomputes_the_tasks_total_and_the_pause_per_mode(rendered):
+    _, result = rendered
+    data = _recorded("bench_eval")
+    tasks = result["eval_tasks"]
+    total = tasks[-1]
+    assert [t["task"] for t in tasks[:-1]] == [t["task"] for t in data["tasks"]] and total["task"] == "total"
+    # the total's items and requests are the tasks' sums; its median equals the sum of theirs (82.77 s)
+    assert total["items"] == sum(t["items"] for t in tasks[:-1]) == 358
+    assert total["requests"] == sum(t["requests"] for t in tasks[:-1]) == 958
+    assert sum(t["s_median"] for t in tasks[:-1]) == pytest.approx(total["s_median"], abs=0.005)
+    for t in tasks:  # ms/request = 1000 x s min / requests (s min printed to 0.01 s)
+        assert t["ms_per_request_computed"] == pytest.approx(t["ms_per_request"], abs=5 / t["requests"] + 0.05)
+    assert total["ms_per_request"] == 74.0  # section 13: 'about 74 ms per log-likelihood request'
+    pause = {p["mode"]: p for p in result["eval_pause"]}
+    for p in data["pause"]:  # median(checkpoint step - ordinary step): bench_eval.py's 'pause over a step'
+        assert pause[p["mode"]]["pause_median"] == pytest.approx(p["pause_median_s"], abs=0.006)
+    # 'evaluating inline added about 16 s of stall per checkpoint'; subprocess: no more than the save alone
+    assert round(pause["inline"]["over_save_only"]) == 16
+    assert pause["subprocess"]["pause_median"] < pause["none"]["pause_median"]
+    assert pause["subprocess"]["waited_at_end_s"] == 67.6
+
+
+def test_preemption_figure_recomputes_the_agreements_share_of_the_step(rendered):
+    _, result = rendered
+    data = _recorded("bench_preemption")
+    rows = {r["run"]: r for r in result["preemption"]}
+    assert len(rows) == len(data["runs"]) == 5
+    for r in rows.values():
+        e = r["exit_s"]
+        assert e["median"] <= e["max"] and (e["min"] is None or e["min"] <= e["median"])
+        assert r["resumed_bitwise"] == r["resumed_compared"] and r["steps_lost"] == 0 and r["corrupted_accepted"] == 0
+        outcomes = [r["preempted"], r["ended_exit_0"], r["shutdown_exit_15"]]
+        assert sum(x or 0 for x in outcomes) <= r["trials"]
+        if r["ended_exit_0"] is not None:
+            assert sum(outcomes) == r["trials"]
+    # section 15: the aligned all_reduce is 0.58% (seed 2, 1.5 of 254 ms) and 0.25% (seed 1, 0.70 of 278 ms)
+    seed2, seed1 = rows["seed 2, --validate (c65afad)"], rows["seed 1 (05f01ec)"]
+    assert 100 * seed2["aligned_share"] == pytest.approx(0.58, abs=0.015)
+    assert 100 * seed1["aligned_share"] == pytest.approx(0.25, abs=0.005)
+    assert (seed2["exit_s"]["median"], seed1["exit_s"]["max"]) == (4.2, 19.9)
+
+
+def test_end_to_end_figure_recomputes_the_gap_to_plain(rendered):
+    _, result = rendered
+    data = _recorded("bench_end_to_end")
+    first, second = result["end_to_end"]
+    assert first["variants"] == ["plain", "fit", "fit-auto"]
+    assert second["variants"] == ["plain", "lightning", "fit", "fit-auto"]
+    phases = data["runs"][0]["phases"]
+    for p in phases:  # the table's fit - plain and fit-auto - plain columns
+        assert first["minus_plain"]["fit"][p["phase"]] == pytest.approx(p["fit_minus_plain"], abs=0.011)
+        assert first["minus_plain"]["fit-auto"][p["phase"]] == pytest.approx(p["fit_auto_minus_plain"], abs=0.011)
+    # section 18: +10.49 s of 32.79; ratio of the medians 1.470; round by round 1.434 / 1.455 / 1.513
+    assert first["total_minus_plain"]["fit"] == pytest.approx(10.49, abs=0.005)
+    assert round(first["over_plain"]["fit"], 3) == 1.470
+    rounds = sorted(first["per_round_over_plain"]["fit"])
+    assert [round(x, 3) for x in rounds] == [1.434, 1.455, 1.513]
+    assert [round(x, 3) for x in sorted(first["per_round_over_plain"]["fit-auto"])] == [1.158, 1.187, 1.242]
+    # the steady steps are 63% of the gap
+    assert round(first["minus_plain"]["fit"]["steady steps"] / first["total_minus_plain"]["fit"], 2) == 0.63
+    assert second["total_s"]["lightning"] / second["total_s"]["plain"] == pytest.approx(1.128, abs=0.0005)
+
+
+def test_fault_tolerance_figure_recomputes_the_overhead_ratios_and_the_work_lost(rendered):
+    _, result = rendered
+    data = _recorded("bench_fault_tolerance")
+    n = result["fault_tolerance"]
+    assert [r["run"] for r in n["overhead"]] == [r["run"] for r in data["overhead"]]
+    # the ratios round by round, from the printed median steps: section 19's 1.182 1.231 1.311 and 0.644 0.648 0.801
+    for drawn, key in ((n["alone_over_one_process"], "one group alone / one process"),
+                       (n["groups_over_hsdp"], "two groups / HSDP")):
+        printed = data["overhead_ratios"][key]
+        assert sorted(drawn) == pytest.approx([printed["min"], printed["median"], printed["max"]], abs=0.0015)
+    # the wait after a kill is the heartbeat timeout plus about one step (60 ms)
+    for r in n["failure"]:
+        assert 0 < statistics.median(r["kill_to_step_alone_s"]) - r["heartbeat_timeout_ms"] / 1000 < 0.08
+    assert [h["serving_ms"] for h in n["heal"]][-1] == 9454 - 1871  # 'grew by 7.6 s for gpt2-124m'
+    assert round(n["heal"][-1]["serving_ms"] / 1000, 1) == 7.6
+    # work lost, from the rounded C, R, wait and relaunch: the table's (computed from the unrounded)
+    for lost in n["work_lost"]:
+        r = lost["recorded"]
+        assert lost["interval_s"] == pytest.approx(r["interval_s"], abs=0.75)
+        assert lost["restart_s"] == pytest.approx(r["restart_s"], abs=0.5)
+        assert lost["fault_tolerant_s"] == pytest.approx(r["fault_tolerant_s"], abs=0.05)
+        assert r["restart_s"] / r["fault_tolerant_s"] == pytest.approx(r["ratio"], abs=0.05)
+    assert [round(x["ratio"]) for x in n["work_lost"]] == [9, 37]
+
+
+def test_setup_memory_figure_recomputes_the_bound_of_issue_38(rendered):
+    _, result = rendered
+    rows = {r["build"]: r for r in result["setup_memory"]}
+    for r in rows.values():  # 1.1 x (half the model + its largest parameter), from the printed MiB
+        assert r["bound_computed"] == pytest.approx(r["bound"], abs=1.5)
+    meta, eager = rows["meta"], rows["eager"]
+    # section 22: the meta build under the bound (3278 < 3606), the eager build above the whole model (3199 > 2953)
+    assert (meta["tensor_peak"], meta["bound"]) == (3278, 3606) and meta["tensor_peak"] < meta["bound"]
+    assert (eager["tensor_peak"], eager["model_fp32"]) == (3199, 2953) and eager["peak_over_model"] > 1
+    assert meta["held_after_setup"] == meta["half_model"]  # 2971 held after setup: the model's half
+
+
+def test_accumulation_figure_recomputes_planned_against_measured(rendered):
+    _, result = rendered
+    data = _recorded("bench_accumulation_memory")
+    numbers = result["accumulation_memory"]
+    for drawn, row in zip(numbers["rows"], data["rows"], strict=True):
+        assert round(drawn["ratio_computed"], 3) == row["ratio"]  # section 23: 0.953, 0.957
+    # the modes differ by 1,683,968 B at the peak, 1,684,992 B between micro-batches and 1,684,992 planned
+    d = numbers["differences"]
+    assert (d["measured_peak"], d["held_between"], d["planned_states"], d["planned_peak"]) == (
+        1683968, 1684992, 1684992, 1684992)
+    recorded = data["differences"]
+    assert d == {"measured_peak": recorded["measured_peak"], "held_between": recorded["held_between"],
+                 "planned_peak": recorded["planned"], "planned_states": recorded["planned"]}
+
+
+def test_muon_figure_draws_bench_muons_output_as_section_24_rounds_it(rendered):
+    _, result = rendered
+    data = _recorded("bench_muon")
+    assert "/tmp/muon2.json" in data["source"] and "/tmp/muon2.json" in data["command"]
+    variants = {v["variant"]: v for v in result["muon"]["variants"]}
+    assert list(variants) == ["sharded", "torch", "adamw"]
+    # section 24's table: collectives 2 / 364 / 0, median ms 99 / 1080 / 30, min ms 71 / 882 / 23
+    assert [variants[k]["collectives"] for k in variants] == [2, 364, 0]
+    assert [round(variants[k]["median_ms"]) for k in variants] == [99, 1080, 30]
+    assert [round(variants[k]["min_ms"]) for k in variants] == [71, 882, 23]
+    assert round(variants["torch"]["over_sharded"], 1) == 10.9  # 1080 / 99 ms: the figure's '10.9x'
+    earlier = {e["ranks"]: e for e in result["muon"]["earlier"]}
+    assert (earlier[2]["torch_ms"], earlier[2]["sharded_ms"], earlier[4]["torch_ms"], earlier[4]["sharded_ms"]) == (
+        862, 69, 2590, 95)
+
+
 def test_rendering_twice_writes_the_same_bytes(rendered, tmp_path):
     from cpu_figures import plot_results
 
@@ -245,7 +426,8 @@ def test_a_figure_without_data_is_skipped_and_said(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["cpu-process-groups.svg"]
     for name in ("cpu-plan-vs-measured", "cpu-fsdp-memory", "cpu-cp-memory", "cpu-tp-memory", "cpu-pp-bubble-memory",
-                 "cpu-sac", "cpu-moe"):
+                 "cpu-sac", "cpu-moe", "cpu-fsdp-throughput", "cpu-checkpoint-stall", "cpu-eval", "cpu-preemption",
+                 "cpu-end-to-end", "cpu-fault-tolerance", "cpu-setup-memory", "cpu-accumulation-memory", "cpu-muon"):
         assert f"# {name}: not drawn (no " in printed
     (tmp_path / "other.json").write_text(json.dumps({"benchmark": "bench_plan"}))
     assert main(["--plot", str(tmp_path / "img"), str(tmp_path / "other.json")]) == 2  # no date, machine, ...
