@@ -73,9 +73,11 @@ def _max_err(ring, reference, size: int) -> list[float]:
 def case(name: str, device: torch.device, smoke: bool) -> dict[str, Any]:
     tokens, heads, kv_heads, head_dim, size, dtype = (SMOKE if smoke else CASES)[name]
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(1, heads, tokens, head_dim, device=device, generator=g)
-    k, v = (torch.randn(1, kv_heads, tokens, head_dim, device=device, generator=g) for _ in range(2))
-    grad = torch.randn(1, heads, tokens, head_dim, device=device, generator=g)
+
+    def bthd(h: int) -> torch.Tensor:  # (B, H, T, D) stored as (B, T, H, D): the layout the model hands the ring
+        return torch.randn(1, tokens, h, head_dim, device=device, generator=g).transpose(1, 2)
+
+    q, k, v, grad = bthd(heads), bthd(kv_heads), bthd(kv_heads), bthd(heads)
     exact = _sdpa(q, k, v, grad)  # fp32
     low = [t.to(dtype) for t in (q, k, v, grad)]
     _sync(device)

@@ -417,6 +417,11 @@ PRIVATES: tuple[Private, ...] = (
             "none: they go into torch.utils.checkpoint.SAC_IGNORED_OPS (public, in its __all__), the set torch "
             "itself fills with ops whose count differs between forward and recomputation (detach)",
             _profiler_ops),
+    Private("torch.distributed.distributed_c10d:_resolve_process_group",
+            "the live process group registered under a name: ring attention's operator takes its group by name "
+            "(an op's schema has no ProcessGroup type), as torch's functional collectives do",
+            "none in torch 2.13 (the functional collectives resolve names with it too)",
+            lambda: _resolve("torch.distributed.distributed_c10d", "_resolve_process_group")),
     # -- attention kernels that return the log-sum-exp (ring attention) --
     Private(f"torch.ops.aten:{'/'.join(LSE_ATTENTION_OPS)}",
             "fused attention of one block that also returns each query's log-sum-exp, and the backward that "
@@ -654,6 +659,11 @@ def _lse_op(name: str) -> Any:
         raise _fail(f"torch.ops.aten.{name}", _entry(_LSE_OPS).why) from None
 
 
+def resolve_process_group(name: str) -> Any:
+    """The process group registered under ``name`` now (``ProcessGroup.group_name``)."""
+    return _get("torch.distributed.distributed_c10d:_resolve_process_group")(name)
+
+
 def lse_kernel(q: torch.Tensor) -> str:
     """Which kernel ``attention_with_lse`` runs for queries like ``q`` (B, H, L, D): ``"cpu"``
     (CPU's flash kernel, any float dtype), ``"flash"`` (CUDA, bf16/fp16, head_dim <= 256 and a
@@ -685,6 +695,13 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_cau
     return out, lse.float()
 
 
+def _bthd(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, H, T, D) stored as (B, T, H, D) (a copy only when it is not)."""
+    if t.stride(3) == 1 and t.stride(2) == t.size(1) * t.size(3):
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def attention_with_lse_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -702,6 +719,9 @@ def attention_with_lse_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torc
         return _lse_op("_scaled_dot_product_flash_attention_backward")(
             grad_out, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, is_causal, unused, unused,
             scale=scale)
+    # The memory-efficient backward reads the output (and its gradient) with the row stride of a
+    # (B, T, H, D) layout whatever their strides say: give it that layout.
+    out, grad_out = _bthd(out), _bthd(grad_out)
     rows = q.size(2)
     padded = lse.new_zeros(*lse.shape[:-1], -(-rows // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN)
     padded[..., :rows] = lse

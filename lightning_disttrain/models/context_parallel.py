@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_disttrain.models.ring_attention import pairs_computed, ring_attention
+from lightning_disttrain.models.ring_attention import group_name_of, pairs_computed, ring_attention
 
 
 @dataclass(eq=False)
@@ -43,6 +43,13 @@ class ContextParallel:
     positions: torch.Tensor | None = field(default=None, repr=False)
     """The global positions of this rank's tokens in the batch the strategy sharded last
     (``shard``), or None before any. Shared by every module (and pipeline stage) of the model."""
+    group_name: str | None = field(default=None, init=False, repr=False)
+    """``group``'s process group's name, which ring attention's operator takes (read here, once,
+    outside any traced code); None without a group."""
+
+    def __post_init__(self) -> None:
+        if self.group is not None:
+            self.group_name = group_name_of(self.group)
 
     def full_length(self, local_len: int) -> int:
         return local_len * self.size
@@ -87,7 +94,10 @@ class ContextParallel:
                              f"(dropout_p={dropout_p}): set the model's dropout to 0 (pre-training runs use 0) or use cp=1")
         if not enable_gqa and k.size(1) != q.size(1):
             raise ValueError(f"{q.size(1)} query heads and {k.size(1)} key/value heads need enable_gqa=True")
-        return ring_attention(q, k, v, self.group, self.rank, self.size)
+        if self.group_name is None:
+            raise ValueError(f"context parallel (cp={self.size}) needs the cp ranks' process group: "
+                             f"ContextParallel(group=None) cannot attend across the shards")
+        return ring_attention(q, k, v, self.group_name, self.rank, self.size)
 
 
 def check_length(seq_len: int, size: int) -> None:

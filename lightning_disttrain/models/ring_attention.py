@@ -32,7 +32,8 @@ backward its gradient accumulator): O(S/cp), with no ``S x S`` (or ``S x S/cp``)
 The whole ring is one operator, ``ldt::ring_attention`` (and ``ldt::ring_attention_backward``), a
 ``torch.library`` custom op: selective activation checkpointing keeps its output (a recomputed
 block does not run the ring again) and ``torch.compile`` traces it whole. Its process group is
-named by ``group_name`` (``register_group``). The algorithm itself (``ring_forward``,
+named by ``group_name`` and resolved when the op runs (``_torch_compat.resolve_process_group``:
+the live group of that name, whatever graph was traced). The algorithm itself (``ring_forward``,
 ``ring_backward``) takes the transfer as a function, so one process can run it for several ranks
 in threads (``LocalRing``: the tests, and the GPU check on one device).
 """
@@ -87,8 +88,9 @@ def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _reduce(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of ``_expand``: summed over each key/value head's query heads, in fp32."""
     groups = grad.size(1) // kv_heads
-    return grad if groups == 1 else grad.unflatten(1, (kv_heads, groups)).sum(2)
+    return grad if groups == 1 else grad.float().unflatten(1, (kv_heads, groups)).sum(2)
 
 
 def _merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -152,34 +154,27 @@ def ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
             dq[:, :, rows] += bq
             dk[:, :, cols] += _reduce(bk, kv_heads)
             dv[:, :, cols] += _reduce(bv, kv_heads)
+            del bq, bk, bv
         received = pending() if pending is not None else []
+        sends = pending = None  # what was sent is no longer needed
         if step < size - 1:
             held, received = received[:2], received[2:]
-        acc = [dk, dv] if not received else [received[0] + dk, received[1] + dv]
-    dk, dv = shift(acc)()  # home: the accumulator of this rank's keys and values
+        acc = [dk, dv] if not received else [received[0].add_(dk), received[1].add_(dv)]
+        del received, dk, dv
+    dk, dv = shift(acc)() if size > 1 else acc  # home: the accumulator of this rank's keys and values
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ---- the operator -----------------------------------------------------------------------------
 
-_GROUPS: dict[str, Any] = {}
-
-
-def register_group(group: Any) -> str:
-    """Make ``group`` (a process group or a 1-D ``DeviceMesh``) reachable by the operator; return
-    the name to pass it."""
-    pg = group.get_group() if hasattr(group, "get_group") else group
-    name = pg.group_name
-    _GROUPS[name] = pg
-    return name
+def group_name_of(group: Any) -> str:
+    """The name the operator takes a process group (or a 1-D ``DeviceMesh``'s) by."""
+    return (group.get_group() if hasattr(group, "get_group") else group).group_name
 
 
 def _group_shift(group_name: str) -> Shift:
-    try:
-        group = _GROUPS[group_name]
-    except KeyError:
-        raise ValueError(f"ring attention: no process group registered as {group_name!r} "
-                         f"(ring_attention.register_group)") from None
+    # resolved when the operator runs (not when a graph was traced): the live group of that name
+    group = torch_compat.resolve_process_group(group_name)
     return lambda tensors: comm.ring_shift(tensors, group)
 
 
@@ -203,7 +198,8 @@ def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torc
 
 @_ring_attention_backward_op.register_fake
 def _(grad_out, q, k, v, out, lse, group_name, rank, size, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # the real gradients are new contiguous tensors, whatever the inputs' strides
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -225,17 +221,18 @@ RING_ATTENTION_OP = torch.ops.ldt.ring_attention.default
 """The operator, for selective activation checkpointing's save list and the FLOP counter."""
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, size: int,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, rank: int, size: int,
                    scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries (B, H, 2L, D) over the whole sequence, whose
-    key/value chunks (B, H_kv, 2L, D) the ranks of ``group`` hold (module docstring)."""
+    key/value chunks (B, H_kv, 2L, D) the ranks of the process group named ``group_name`` hold
+    (``group_name_of``; module docstring)."""
     if q.size(2) % 2:
         raise ValueError(f"ring attention: a rank holds two equal chunks of each sequence, but it was given "
                          f"{q.size(2)} tokens")
     if q.size(1) % k.size(1):
         raise ValueError(f"ring attention: {q.size(1)} query heads are not a multiple of {k.size(1)} key/value heads")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    out, _ = RING_ATTENTION_OP(q, k, v, register_group(group), rank, size, scale)
+    out, _ = RING_ATTENTION_OP(q, k, v, group_name, rank, size, scale)
     return out
 
 

@@ -18,18 +18,19 @@ def apply_context_parallel(module: nn.Module, mesh: Any) -> int:
     position embedding); return how many. A model with none cannot shard its sequences; one whose
     attention has dropout (a float ``dropout`` > 0 beside the attribute) is refused: ring attention
     has none."""
-    cp = ContextParallel(group=mesh, rank=mesh.get_local_rank(), size=mesh.size())
+    size = mesh.size()
     found = [m for m in module.modules() if hasattr(m, "context_parallel")]
     if not found:
         raise ValueError(
-            f"cp={cp.size} shards each sequence across ranks, which needs attention that attends across the shards "
+            f"cp={size} shards each sequence across ranks, which needs attention that attends across the shards "
             f"and positions that follow them: {type(module).__name__} has no module with a `context_parallel` "
             f"attribute (lightning_disttrain's GPT / GPTModule have one; see "
             f"lightning_disttrain/models/context_parallel.py to add it to yours), so use cp=1")
     dropout = sorted({m.dropout for m in found if isinstance(getattr(m, "dropout", None), float) and m.dropout > 0})
     if dropout:
-        raise ValueError(f"cp={cp.size} runs ring attention, which has no attention dropout, and the model's attention "
+        raise ValueError(f"cp={size} runs ring attention, which has no attention dropout, and the model's attention "
                          f"has dropout={dropout[0]}: set the model's dropout to 0 (pre-training runs use 0) or use cp=1")
+    cp = ContextParallel(group=mesh, rank=mesh.get_local_rank(), size=size)
     for m in found:
         m.context_parallel = cp
     return sum(1 for m in found if type(m).__name__ != "GPT")

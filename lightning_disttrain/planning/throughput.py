@@ -18,11 +18,10 @@ layout's communication.
   (no async TP).
 - pp: each micro-batch's s·b·h/t boundary activations, sent forward and its gradient back, on the
   inter-node links, on the critical path for the m + p - 1 slots of the schedule.
-- cp: ring attention moves, per block and micro-batch, the rank's key/value chunk (2·kv_dim per
-  token of its shard) cp - 1 times in forward (again when the block is recomputed), and in
-  backward cp - 1 times again plus cp hops of their fp32 gradients; each transfer runs while the
-  attention of a block computes (causal attention: 2·b·s²·h FLOPs per block forward, 1/cp per
-  rank, x3 with backward), so only the transfer time beyond that compute is exposed.
+- cp: ring attention's transfers, per block and micro-batch, step by step against the attention
+  compute of that step (``ring_exposed_seconds``): each key/value chunk pair (and in backward its
+  fp32 gradient pair) is hidden by the step's blocks as far as they last; the last hop home of the
+  gradients is exposed whole; a recomputed block's ring runs again.
 - ep: the dispatch and the combine all-to-all of k'·s·b·h per MoE block and micro-batch, forward and
   backward, (ep - 1)/ep of it leaving each rank; exposed.
 - muon (``Workload(optimizer="muon")``): the optimizer step's Newton-Schulz on the blocks' whole
@@ -176,14 +175,10 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
         per_block = 4 * _ring(t) * micro * shape.n_embd * e  # 2 all-gathers + 2 reduce-scatters
         tp_comm = per_block * passes * layers * microsteps / (intra if t <= G else inter)
     cp_comm = 0.0
-    if layout.cp > 1:  # ring attention: per block, the K/V chunks around the ring, and in backward their fp32 gradients
-        c, kv = layout.cp, 2 * shape.kv_dim / t
-        forward = (c - 1) * micro * kv * e * (1 + full / shape.n_layer)  # run again when the block is recomputed
-        backward = (c - 1) * micro * kv * e + c * micro * kv * 4
-        moved = (forward + backward) / (intra if c * t <= G else inter)
-        # each transfer runs while a block of attention computes: exposed only beyond that compute
-        attention = 2 * workload.micro_batch * workload.seq_len ** 2 * shape.n_embd / c / t * (3 + full / shape.n_layer)
-        cp_comm = max(0.0, moved - attention / (peak * mfu)) * layers * microsteps
+    if layout.cp > 1:
+        cp_comm = (ring_exposed_seconds(shape, layout.cp, t, workload.micro_batch, workload.seq_len, e,
+                                        intra if layout.cp * t <= G else inter, peak * mfu, recomputed=full / shape.n_layer)
+                   * layers * microsteps)
     ep_comm = 0.0
     if ep > 1:
         moe_blocks = sum(1 for i in range(shape.n_layer) if shape.is_moe_layer(i)) * layers / shape.n_layer
@@ -218,6 +213,26 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
              "pp": pp_comm, "ep": ep_comm, "dp": dp_exposed, "muon": muon}
     seconds = sum(terms.values())
     return Throughput(seconds, tokens / seconds, mfu, peak, flops, terms)
+
+
+def ring_exposed_seconds(shape: ModelShape, cp: int, t: int, micro_batch: int, seq_len: int, e: int,
+                         bandwidth: float, flops_per_s: float, recomputed: float = 0.0) -> float:
+    """Ring attention's transfer time per block and micro-batch that its attention compute does not
+    hide, step by step. A key/value chunk pair (2·kv_dim·e per token of the shard) moves while a
+    step's blocks compute (forward: a cp-th of the block's causal attention, 2·b·s²·h/cp/t FLOPs
+    per rank; backward twice that): forward steps 0..cp-2 each send one; backward step 0 sends a
+    pair, steps 1..cp-2 a pair and an fp32 gradient pair (2·kv_dim·4), step cp-1 a gradient pair,
+    and the last hop home is exposed whole. ``recomputed``: the share of blocks whose forward
+    (its ring) runs again in backward."""
+    tokens = micro_batch * seq_len / cp
+    kv = tokens * 2 * shape.kv_dim / t * e / bandwidth
+    acc = tokens * 2 * shape.kv_dim / t * 4 / bandwidth
+    forward_step = 2 * micro_batch * seq_len ** 2 * shape.n_embd / cp / t / cp / flops_per_s
+    backward_step = 2 * forward_step
+    forward = (cp - 1) * max(0.0, kv - forward_step)
+    backward = (max(0.0, kv - backward_step) + (cp - 2) * max(0.0, kv + acc - backward_step)
+                + max(0.0, acc - backward_step) + acc)
+    return forward * (1 + recomputed) + backward
 
 
 def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, bandwidth: float) -> float:

@@ -156,3 +156,30 @@ def test_the_output_is_stored_as_the_model_reads_it():
                                                                  0.5))[0]
         assert out.transpose(1, 2).is_contiguous() and out.dtype == dtype
         assert out.transpose(1, 2).reshape(1, 8, -1).data_ptr() == out.data_ptr()
+
+
+def test_the_operators_fake_outputs_have_the_real_outputs_layout(tmp_path):
+    # torch.compile (Inductor) lays out the graph from the fake implementations: a stride that
+    # differs from the real op's is a failed size assert or a silently misread gradient. opcheck
+    # runs both (the op on a 1-rank gloo group: the ring of one rank is its own neighbour).
+    import torch.distributed as dist
+
+    from lightning_disttrain.models.ring_attention import group_name_of
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        name = group_name_of(dist.group.WORLD)
+        q = torch.randn(1, 6, 2, 4).transpose(1, 2).requires_grad_()  # (B, H, T, D) stored as (B, T, H, D): the model's
+        k, v = (torch.randn(1, 6, 1, 4).transpose(1, 2).requires_grad_() for _ in range(2))
+        torch.library.opcheck(torch.ops.ldt.ring_attention.default, (q, k, v, name, 0, 1, 0.5),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+        out, lse = torch.ops.ldt.ring_attention(q, k, v, name, 0, 1, 0.5)
+        grads = torch.ops.ldt.ring_attention_backward(torch.ones_like(out), q, k, v, out, lse, name, 0, 1, 0.5)
+        torch.library.opcheck(torch.ops.ldt.ring_attention_backward.default,
+                              (torch.ones_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, name, 0, 1,
+                               0.5), test_utils=("test_schema", "test_faketensor"))
+        assert all(g.is_contiguous() for g in grads)
+        full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out, full)
+    finally:
+        dist.destroy_process_group()
