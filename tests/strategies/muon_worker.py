@@ -7,7 +7,9 @@ which Lightning runs inside ``optimizer.step``, are outside).
 
 RUN: a strategy name (``fsdp2``, ``fsdp2_zero2``, ``auto``) or ``hsdp2x2`` (dp_replicate=2 x
 dp_shard=2); ``STRATEGY+fp32``: the Newton-Schulz iteration in fp32; ``STRATEGY+torch``:
-``torch.optim.Muon`` on the DTensors (the path before issue 41; measurements only).
+``torch.optim.Muon`` on the DTensors (the path before issue 41; measurements only); ``resume`` /
+``reshard``: a DCP checkpoint of Muon's state resumed on the same layout / on another
+(``resume_run``).
 """
 
 import os
@@ -83,24 +85,65 @@ class Fp32MuonModule(GPTModule):
         return out
 
 
-def fit_run(run: str, devices: int) -> dict:
-    strategy, _, impl = run.partition("+")
-    L.seed_everything(0)
+RESUME_AT = 3
+"""Resume runs: the first fit saves here (and trains on to STEPS); the second resumes from it to STEPS."""
+
+
+def _loader(devices: int, start: int = 0) -> DataLoader:
+    """Steps ``start``..STEPS of the run's data, this rank's part of each global batch."""
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(1))
     # Rank r takes slice r of every global batch (Lightning's own sampler would shuffle), so each
-    # step's global batch is the same 8 samples as the one-process run's.
+    # step's global batch is the same 8 samples as the one-process run's; a resumed fit starts at
+    # its first untrained step.
     rank, micro = int(os.environ.get("LOCAL_RANK", 0)), GLOBAL_BATCH // devices
-    order = [s * GLOBAL_BATCH + rank * micro + i for s in range(STEPS) for i in range(micro)]
-    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=micro, sampler=order)
+    order = [s * GLOBAL_BATCH + rank * micro + i for s in range(start, STEPS) for i in range(micro)]
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=micro, sampler=order)
+
+
+def _fit(strategy, devices: int, impl: str = "", ckpt_dir: Path | None = None, ckpt_path=None):
     module_class = {"torch": TorchMuonModule, "fp32": Fp32MuonModule, "": GPTModule}[impl]
     module = module_class("tiny", vocab_size=VOCAB, optimizer="muon", lr=1e-3, muon_lr=0.02,
                           model_overrides=dict(n_layer=2, n_embd=32, n_head=2, block_size=SEQ))
+    # built when fit asks for it: a resumed fit (global_step restored by then) starts after the trained steps
+    module.train_dataloader = lambda: _loader(devices, module.trainer.global_step)
     losses, steps = Losses(), OptimizerSteps()
+    callbacks = [losses, steps]
+    if ckpt_dir is not None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=RESUME_AT, save_top_k=-1,
+                                         filename="step={step}", auto_insert_metric_name=False))
     if strategy == "hsdp2x2":
         strategy = NDParallelStrategy(dp_replicate=2)
     trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS,
-                        callbacks=[losses, steps], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(module, loader)
+                        callbacks=callbacks, logger=False, enable_checkpointing=ckpt_dir is not None,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer, losses, steps
+
+
+def resume_run(run: str, devices: int) -> dict:
+    """``resume``: fsdp2 x2 (fp32 Newton-Schulz) saves at RESUME_AT through the strategy (DCP,
+    ``ModelCheckpoint``) and fsdp2 x2 resumes from it; ``reshard``: the same checkpoint resumed by
+    HSDP over the same ranks (dp_replicate=2 x dp_shard=1: every weight and Muon momentum
+    replicated, not sharded)."""
+    out = Path(os.environ.get("LDT_LAUNCH_OUT", "/tmp")) / f"muon_{run}_{devices}"
+    L.seed_everything(0)
+    _fit("fsdp2", devices, "fp32", ckpt_dir=out)
+    L.seed_everything(0)
+    strategy = "fsdp2" if run == "resume" else NDParallelStrategy(dp_replicate=2, dp_shard=1)
+    trainer, losses, steps = _fit(strategy, devices, "fp32", ckpt_path=str(out / f"step={RESUME_AT}.ckpt"))
+    momentum = [s["momentum_buffer"] for s in steps.muon.state.values()]
+    placements = sorted({str(tuple(m.placements)) for m in momentum if isinstance(m, DTensor)})
+    return {"losses": losses.losses, "weights": steps.weights, "muon": type(steps.muon).__name__,
+            "momentum_placements": placements, "global_step": trainer.global_step}
+
+
+def fit_run(run: str, devices: int) -> dict:
+    if run in ("resume", "reshard"):
+        return resume_run(run, devices)
+    strategy, _, impl = run.partition("+")
+    L.seed_everything(0)
+    trainer, losses, steps = _fit(strategy, devices, impl)
     return {"losses": losses.losses, "collectives": steps.collectives, "step_seconds": steps.seconds,
             "weights": steps.weights, "muon": type(steps.muon).__name__}

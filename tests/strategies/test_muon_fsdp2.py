@@ -19,7 +19,8 @@ import muon_worker
 from dist_utils import in_this_process
 
 # launched by conftest.py
-WORKER, LAUNCH = "muon_worker", {2: ["fsdp2", "fsdp2+fp32", "fsdp2_zero2+fp32"], 4: ["hsdp2x2+fp32"]}
+WORKER, LAUNCH = "muon_worker", {2: ["fsdp2", "fsdp2+fp32", "fsdp2_zero2+fp32", "resume", "reshard"],
+                                 4: ["hsdp2x2+fp32"]}
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,16 @@ def test_a_muon_step_under_fsdp_issues_two_collectives_per_bucket(launched, devi
     # one bucket (the default): one all-to-all to the owners, one back; the AdamW part issues none
     for rank in launched(WORKER, devices)[run]:
         assert rank["collectives"] == [2] * muon_worker.STEPS
+
+
+@pytest.mark.parametrize("run", ["resume", "reshard"])
+def test_muon_state_resumes_from_a_dcp_checkpoint_on_the_same_and_another_layout(launched, single, run):
+    # fsdp2 x2 saves after step 3 (Muon momentum Shard(0) over 2 ranks); resumed by fsdp2 x2, or by
+    # HSDP over the same ranks (momentum replicated): the steps after equal one uninterrupted process's
+    one, at = single["+fp32"], muon_worker.RESUME_AT
+    for rank in launched(WORKER, 2)[run]:
+        assert rank["global_step"] == muon_worker.STEPS and rank["muon"] == "ShardedMuon"
+        assert rank["losses"] == pytest.approx(one["losses"][at:], abs=1e-5)
+        assert max(_max_weight_diffs(rank, {"weights": one["weights"][at:]})) <= 1e-5
+        expected = "(Shard(dim=0),)" if run == "resume" else "(Replicate(), Shard(dim=0))"
+        assert rank["momentum_placements"] == [expected], rank["momentum_placements"]
