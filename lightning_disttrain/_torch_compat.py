@@ -666,14 +666,16 @@ def resolve_process_group(name: str) -> Any:
 
 def lse_kernel(q: torch.Tensor) -> str:
     """Which kernel ``attention_with_lse`` runs for queries like ``q`` (B, H, L, D): ``"cpu"``
-    (CPU's flash kernel, any float dtype), ``"flash"`` (CUDA, bf16/fp16, head_dim <= 256 and a
-    multiple of 8) or ``"efficient"`` (CUDA, any other float dtype or head_dim: fp32 included).
+    (CPU's flash kernel, any float dtype), ``"flash"`` (CUDA compute capability 8.0 or later,
+    bf16/fp16, head_dim <= 256 and a multiple of 8) or ``"efficient"`` (CUDA, anything else: fp32,
+    other head dims, older GPUs).
     None of them materialises the block's score matrix."""
     if q.device.type == "cpu":
         return "cpu"
     if q.device.type != "cuda":
         raise ValueError(f"ring attention runs on CPU and CUDA tensors; these are on {q.device.type}")
-    if q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) <= 256 and q.size(-1) % 8 == 0:
+    if (q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) <= 256 and q.size(-1) % 8 == 0
+            and torch.cuda.get_device_capability(q.device) >= (8, 0)):  # FlashAttention 2: Ampere and later
         return "flash"
     return "efficient"
 

@@ -137,8 +137,14 @@ class _Like:
     ("cuda", torch.bfloat16, 128, "flash"), ("cuda", torch.float16, 256, "flash"),
     ("cuda", torch.float32, 128, "efficient"), ("cuda", torch.bfloat16, 512, "efficient"),
     ("cuda", torch.bfloat16, 100, "efficient")])
-def test_the_kernel_chosen_per_device_dtype_and_head_dim(device, dtype, head_dim, kernel):
+def test_the_kernel_chosen_per_device_dtype_and_head_dim(device, dtype, head_dim, kernel, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
     assert torch_compat.lse_kernel(_Like(device, dtype, head_dim)) == kernel
+
+
+def test_gpus_before_ampere_take_the_memory_efficient_kernel(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100: no FlashAttention 2
+    assert torch_compat.lse_kernel(_Like("cuda", torch.bfloat16, 128)) == "efficient"
 
 
 def test_a_device_without_a_kernel_is_refused():
