@@ -23,8 +23,12 @@ gradients (bitwise on one machine: tests/parallel/test_muon_owner.py), with 2 co
 work per rank. Uneven shards (torch.chunk's rows per rank, empty ones included) travel as they are.
 
 Layouts: plain tensors (one process, DDP) and DTensors whose placements are ``Replicate`` except at
-most one ``Shard(0)`` (FSDP2, ZeRO-2/3; HSDP: ``(Replicate, Shard(0))``, where each replica group
-repeats the split work: the iteration is not yet split over replicas). Anything else (tensor
+most one ``Shard(0)`` (FSDP2, ZeRO-2/3; HSDP: ``(Replicate, Shard(0))``). Under HSDP the owners
+are spread over every (replica, shard rank) pair, so the iteration's work is split over all the
+data-parallel ranks, not repeated per replica: each replica's shard group runs the two
+all-to-alls for its own matrices only, and a third collective, one all-to-all over the replica
+group (the ranks that hold the same rows), gives every replica this rank's rows of the others'
+results: 3 collectives per bucket under HSDP, 2 under FSDP2. Anything else (tensor
 parallel: a ``Shard(1)``, two sharded mesh dimensions, ``_StridedShard``; ``Partial``) is refused
 at construction by ``sharded_layout_problem``; ``optim.build_optimizer`` then keeps torch's
 DTensor path, which is the whole-matrix iteration too, only with per-matmul collectives.
@@ -151,7 +155,7 @@ class ShardedMuon(torch.optim.Muon):
         lr = float(group["lr"])
         wd, momentum, nesterov = group["weight_decay"], group["momentum"], group["nesterov"]
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-        by_group: dict = {}  # shard process group -> [(param, local update)]
+        by_group: dict = {}  # (shard process group, replica process group or None) -> [(param, local update)]
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -168,13 +172,23 @@ class ShardedMuon(torch.optim.Muon):
                 _apply(p, newton_schulz(update, *ns), lr, wd, group["adjust_lr_fn"])
                 continue
             pg = p.device_mesh.get_group(shard_dim)
-            by_group.setdefault(pg, []).append((p, update))
-        for pg, items in by_group.items():
+            by_group.setdefault((pg, _replica_group(p)), []).append((p, update))
+        for (pg, rpg), items in by_group.items():
             ranks, me = comm.world_size(pg), comm.rank(pg)
-            owners = self._owners(pg, [p for p, _ in items], ranks, ns[1])
+            replicas = comm.world_size(rpg) if rpg is not None else 1
+            replica = comm.rank(rpg) if rpg is not None else 0
+            # owners over every (replica, shard rank) pair: replica g // ranks, shard rank g % ranks
+            owners = self._owners(pg, [p for p, _ in items], ranks * replicas, ns[1])
             for bucket in self._buckets(items):
-                self._exchange(bucket, [owners[id(p)] for p, _ in bucket], pg, ranks, me, lr, wd,
-                               group["adjust_lr_fn"], ns)
+                slots = [owners[id(p)] for p, _ in bucket]
+                mine = [i for i, g in enumerate(slots) if g // ranks == replica]
+                results = self._exchange([bucket[i] for i in mine], [slots[i] % ranks for i in mine], pg, ranks, me,
+                                         ns) if mine else []
+                updates = dict(zip(mine, results))
+                if replicas > 1:  # the other replicas' matrices: this rank's rows of their results
+                    updates.update(self._from_replicas(bucket, slots, results, rpg, replicas, replica, ranks, me))
+                for i, (p, _) in enumerate(bucket):
+                    _apply(p, updates[i], lr, wd, group["adjust_lr_fn"])
 
     def _owners(self, pg, params: list, ranks: int, ns_steps: int) -> dict[int, int]:
         """Each matrix's owner: by cost (min(m, n)^2 * max(m, n) per iteration), largest first, to
@@ -204,8 +218,9 @@ class ShardedMuon(torch.optim.Muon):
             size += numel
         return buckets
 
-    def _exchange(self, bucket: list, owners: list[int], pg, ranks: int, me: int, lr: float, wd: float,
-                  adjust_lr_fn, ns) -> None:
+    def _exchange(self, bucket: list, owners: list[int], pg, ranks: int, me: int, ns) -> list[torch.Tensor]:
+        """This rank's rows of each orthogonalised matrix of ``bucket`` (owner ``owners[i]`` of the
+        shard group ``pg``): two all-to-alls."""
         device = bucket[0][1].device
         rows = [shard_rows(p.shape[0], ranks) for p, _ in bucket]  # checked against the shards at construction
         # 1. every shard of each matrix to its owner (bucket order within each destination)
@@ -232,12 +247,36 @@ class ShardedMuon(torch.optim.Muon):
             [_cat(parts, dtype, device) for parts in back],
             [sum(rows[i][me] * bucket[i][0].shape[1] for i, o in enumerate(owners) if o == s) for s in range(ranks)],
             pg)
-        # 3. each rank's rows of each result onto its shard
-        offsets = [0] * ranks
+        # 3. each rank's rows of each result
+        offsets, out = [0] * ranks, []
         for i, ((p, _), o) in enumerate(zip(bucket, owners)):
             n = rows[i][me] * p.shape[1]
-            _apply(p, home[o][offsets[o]:offsets[o] + n].view(rows[i][me], p.shape[1]), lr, wd, adjust_lr_fn)
+            out.append(home[o][offsets[o]:offsets[o] + n].view(rows[i][me], p.shape[1]))
             offsets[o] += n
+        return out
+
+    def _from_replicas(self, bucket: list, slots: list[int], results: list[torch.Tensor], rpg, replicas: int,
+                       replica: int, ranks: int, me: int) -> dict[int, torch.Tensor]:
+        """HSDP: each replica orthogonalised its own matrices of ``bucket``; one all-to-all over the
+        replica group (the ranks holding the same rows) sends this rank's rows of its replica's
+        results to every other replica and receives theirs."""
+        dtype, device = self.ns_dtype, bucket[0][1].device
+        held = [shard_rows(p.shape[0], ranks)[me] for p, _ in bucket]  # this rank's rows of each matrix
+        rows = [n * p.shape[1] for n, (p, _) in zip(held, bucket)]
+        of = [[i for i, g in enumerate(slots) if g // ranks == r] for r in range(replicas)]
+        mine = _cat(results, dtype, device)
+        sends = [mine if r != replica else torch.empty(0, dtype=dtype, device=device) for r in range(replicas)]
+        recv = comm.all_to_all_packed(sends, [sum(rows[i] for i in of[r]) if r != replica else 0
+                                              for r in range(replicas)], rpg)
+        out = {}
+        for r in range(replicas):
+            if r == replica:
+                continue
+            offset = 0
+            for i in of[r]:
+                out[i] = recv[r][offset:offset + rows[i]].view(held[i], bucket[i][0].shape[1])
+                offset += rows[i]
+        return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -249,6 +288,15 @@ def _shard_mesh_dim(p: torch.Tensor) -> int | None:
         return None
     dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
     return dims[0] if dims else None
+
+
+def _replica_group(p: torch.Tensor):
+    """HSDP: the process group of the mesh dimension over which ``p`` is replicated (the ranks
+    holding the same shard), when there is exactly one; None otherwise (FSDP2, one process)."""
+    if not isinstance(p, DTensor) or p.device_mesh.ndim < 2:
+        return None
+    dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)]
+    return p.device_mesh.get_group(dims[0]) if len(dims) == 1 else None
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:

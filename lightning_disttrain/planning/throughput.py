@@ -206,7 +206,8 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
             dp_comm += (all_reduces * 2 * _ring(layout.dp_replicate) * (dense / n + experts / max(1, n // ep)) * 4
                         / inter)
     dp_exposed = max(0.0, dp_comm - compute)
-    muon = muon_step_seconds(shape, layout, peak * mfu, shard_bw) if workload.optimizer == "muon" else 0.0
+    muon = (muon_step_seconds(shape, layout, peak * mfu, shard_bw, inter) if workload.optimizer == "muon"
+            else 0.0)
     busy = compute + recompute + tp_comm + cp_comm + ep_comm
     bubble = pipeline_bubble(layout.pipeline, p) * busy if p > 1 else 0.0
     terms = {"compute": compute, "recompute": recompute, "bubble": bubble, "tp": tp_comm, "cp": cp_comm,
@@ -235,22 +236,28 @@ def ring_exposed_seconds(shape: ModelShape, cp: int, t: int, micro_batch: int, s
     return forward * (1 + recomputed) + backward
 
 
-def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, bandwidth: float) -> float:
+def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, bandwidth: float,
+                      replica_bandwidth: float | None = None) -> float:
     """Muon's optimizer step on the busiest pipeline rank: Newton-Schulz on every whole matrix of
-    its blocks, split over the ``n = dp_shard x cp`` ranks that shard them (``ShardedMuon``: each
-    matrix on one owner; every replica of HSDP repeats it), at ``flops_per_s``; and its two
-    all-to-alls (the shards to their owners and the results back, bf16: 2 x 2 B per element of the
-    rank's 1/n, (n - 1)/n of it crossing), not overlapped. Under tensor parallel torch's Muon runs
-    on the DTensors instead: every rank computes every matrix (no split), and the per-matmul
-    collectives are not modelled."""
+    its blocks, split over every data-parallel rank (``ShardedMuon``: one owner per matrix among
+    the ``dp_shard x cp`` ranks that shard it and, under HSDP, the ``dp_replicate`` replicas too),
+    at ``flops_per_s``; its two all-to-alls over the shard group (the shards to their owners and the
+    results back, bf16: 2 x 2 B per element of the rank's 1/n, (n - 1)/n of it crossing) and,
+    under HSDP, one over the replica group (this rank's rows of the other replicas' results:
+    2 B per element of its 1/n, (r - 1)/r of it, at ``replica_bandwidth``), not overlapped. Under
+    tensor parallel torch's Muon runs on the DTensors instead: every rank computes every matrix
+    (no split), and the per-matmul collectives are not modelled."""
     ranks = rank_stages(layout.pipeline, layout.pp, shape.n_layer)
     layers = max((r.all_layers for r in ranks), key=lambda ls: sum(shape.newton_schulz_flops_of_layer(i) for i in ls))
     flops = sum(shape.newton_schulz_flops_of_layer(i) for i in layers)
-    n = layout.dp_shard * layout.cp
     if layout.tp > 1:
         return flops / flops_per_s
+    n, r = layout.dp_shard * layout.cp, layout.dp_replicate
     elements = sum(shape.muon_params_of_layer(i) for i in layers)
-    return flops / n / flops_per_s + 2 * 2 * elements / n * _ring(n) / bandwidth
+    seconds = flops / (n * r) / flops_per_s + 2 * 2 * elements / n * _ring(n) / bandwidth
+    if r > 1:
+        seconds += 2 * elements / n * _ring(r) / (replica_bandwidth or bandwidth)
+    return seconds
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,9 @@ def test_the_muon_step_is_split_over_the_shards_and_not_under_tensor_parallel():
     assert fsdp == pytest.approx(ns / 8 / (989e12 * 0.4), rel=0.1)  # Newton-Schulz dominates; the all-to-alls are small
     assert fsdp4 == pytest.approx(2 * fsdp, rel=0.1)
     assert tp == pytest.approx(ns / (989e12 * 0.4), rel=1e-3)  # torch's Muon on the DTensors: every rank every matrix
+    hsdp = step_terms(shape, Layout(dp_replicate=2, dp_shard=4, zero=3), workload, Cluster("H100 SXM", 4, 2)).terms
+    assert hsdp["muon"] == pytest.approx(fsdp, rel=0.3)  # the work split over both replicas too, not repeated
+    assert hsdp["muon"] < 0.7 * fsdp4
 
 
 def test_plan_with_muon_prints_and_writes_it(tmp_path, capsys):
