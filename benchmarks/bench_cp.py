@@ -27,11 +27,15 @@ whole time). Hidden by the overlap, round by round (computed): (cp2_serial - cp2
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 
 from bench_common import HERE, MIB, header, launch, part, parser, report, spread, table
+from cpu_figures import longest_within
 
 OUT = HERE / "out" / "cp"
 SEQS = {"tiny": [1024, 2048, 4096, 8192], "small": [512, 1024, 2048, 4096]}
@@ -196,19 +200,6 @@ def throughput_worker(args) -> None:
     dist.destroy_process_group()
 
 
-def longest_within(points: list[tuple[float, float]], budget: float) -> tuple[float, bool]:
-    """(the longest sequence whose memory stays within ``budget``, whether it lies beyond the
-    measured points): linear between the (seq, MiB) points, beyond the last along the last two."""
-    points = sorted(points)
-    for (a, ma), (b, mb) in zip(points, points[1:]):
-        if ma <= budget <= mb:
-            return a + (budget - ma) * (b - a) / (mb - ma), False
-    (s0, m0), (s1, m1) = points[-2], points[-1]
-    if m1 < budget:
-        return s1 + (budget - m1) * (s1 - s0) / (m1 - m0), True
-    return points[0][0] * budget / points[0][1], True
-
-
 def memory_summary(rows: list[dict], budgets: dict[str, float]) -> dict[str, dict]:
     """Per preset: the highest rank's peak and kept MiB per (seq, cp), the longest sequence within
     the budget per cp (computed) and its ratio to cp=1's."""
@@ -223,12 +214,13 @@ def memory_summary(rows: list[dict], budgets: dict[str, float]) -> dict[str, dic
         table_rows = [{"seq": s, "peak_mib": {str(c): top(s, c, "peak") for c in cps},
                        "kept_mib": {str(c): top(s, c, "kept") for c in cps}} for s in seqs]
         budget = budgets[preset]
-        longest = {str(c): longest_within([(row["seq"], row["peak_mib"][str(c)]) for row in table_rows], budget)
-                   for c in cps}
-        out[preset] = {"budget_mib": budget, "rows": table_rows,
-                       "longest": {c: v for c, (v, _) in longest.items()},
-                       "extrapolated": {c: e for c, (_, e) in longest.items()},
-                       "longest_over_cp1": {c: v / longest["1"][0] for c, (v, _) in longest.items()}}
+        points = {str(c): [(row["seq"], row["peak_mib"][str(c)]) for row in table_rows] for c in cps}
+        longest = {c: longest_within(p, budget) for c, p in points.items()}
+        out[preset] = {"budget_mib": budget, "rows": table_rows, "longest": longest,
+                       # beyond the measured points: computed along the last two (or the first)
+                       "extrapolated": {c: not min(m for _, m in p) <= budget <= max(m for _, m in p)
+                                        for c, p in points.items()},
+                       "longest_over_cp1": {c: v / longest["1"] for c, v in longest.items()}}
     return out
 
 
@@ -299,15 +291,13 @@ def main() -> None:
                                                 "--repeats", str(args.repeats), "--warmup", str(args.warmup)])
         throughput = throughput_summary(json.loads((OUT / "throughput.json").read_text()))
         print(throughput_text(throughput))
-    import platform
-
     import torch
 
     data = {"benchmark": "bench_cp", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "source": "bench_cp.py's own output (this file)",
-            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPU cores, torch {torch.__version__}, "
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
                        f"gloo, one intra-op thread per rank",
-            "command": "python benchmarks/bench_cp.py " + " ".join(__import__("sys").argv[1:]),
+            "command": "python benchmarks/bench_cp.py " + " ".join(sys.argv[1:]),
             "memory": memory, "throughput": throughput, "memory_rows": rows, "args": vars(args)}
     written = report("cp", data, out=args.out, indent=1)
     if args.plot:

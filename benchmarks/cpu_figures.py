@@ -76,7 +76,6 @@ inputs and command render the same bytes.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -84,7 +83,7 @@ import statistics
 import textwrap
 from typing import Any
 
-from figure_output import PLOT_FORMATS, check_format, render_command, run_plot, save_with_footnote
+from figure_output import PLOT_FORMATS, check_format, json_inputs, render_command, run_plot, save_with_footnote
 
 REQUIRED = ("benchmark", "date", "machine", "command", "source")
 """The fields every recorded JSON carries."""
@@ -106,19 +105,8 @@ BAND = 0.10
 
 def load_results(inputs: list[str]) -> dict[str, dict[str, Any]]:
     """benchmark -> its recorded JSON (plus ``path``), from files and directories, in order."""
-    files: list[str] = []
-    for item in inputs:
-        if os.path.isdir(item):
-            found = sorted(glob.glob(os.path.join(item, "*.json")))
-            if not found:
-                raise ValueError(f"{item}: no JSON file in it")
-            files += found
-        elif os.path.isfile(item):
-            files.append(item)
-        else:
-            raise ValueError(f"{item}: no such file or directory")
     results: dict[str, dict[str, Any]] = {}
-    for path in files:
+    for path in json_inputs(inputs):
         with open(path) as f:
             data = json.load(f)
         missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]

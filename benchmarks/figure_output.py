@@ -4,6 +4,7 @@ write the same bytes), and the command line's report of what was drawn. No torch
 
 from __future__ import annotations
 
+import glob
 import os
 import shlex
 import sys
@@ -12,6 +13,27 @@ from collections.abc import Callable
 from typing import Any
 
 PLOT_FORMATS = ("svg", "png")
+
+
+def json_inputs(inputs: list[str], patterns: tuple[str, ...] = ("*.json",), fallback: str | None = None,
+                what: str = "JSON file") -> list[str]:
+    """The files behind ``inputs``: a file as it is; a directory's files matching ``patterns``
+    (sorted per pattern, in pattern order), or its ``fallback`` file when none match. A directory
+    with neither, or a path that does not exist, is refused naming it."""
+    files: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(f for pattern in patterns for f in glob.glob(os.path.join(item, pattern)))
+            if not found and fallback is not None and os.path.exists(os.path.join(item, fallback)):
+                found = [os.path.join(item, fallback)]
+            if not found:
+                raise ValueError(f"{item}: no {what} in it")
+            files += found
+        elif os.path.isfile(item):
+            files.append(item)
+        else:
+            raise ValueError(f"{item}: no such file or directory")
+    return files
 
 
 def check_format(fmt: str) -> None:

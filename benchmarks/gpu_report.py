@@ -40,7 +40,6 @@ element ids: the same inputs and command render the same bytes.
 from __future__ import annotations
 
 import datetime
-import glob
 import json
 import os
 import time
@@ -51,9 +50,10 @@ from typing import Any
 import torch
 
 try:  # as a script (benchmarks/ on the path) or as benchmarks.gpu_report from the repository root
-    from figure_output import PLOT_FORMATS, check_format, render_command, run_plot, save_with_footnote
+    from figure_output import PLOT_FORMATS, check_format, json_inputs, render_command, run_plot, save_with_footnote
 except ImportError:
-    from benchmarks.figure_output import PLOT_FORMATS, check_format, render_command, run_plot, save_with_footnote
+    from benchmarks.figure_output import (PLOT_FORMATS, check_format, json_inputs, render_command, run_plot,
+                                          save_with_footnote)
 
 
 def deadline_from_env() -> float | None:
@@ -175,20 +175,8 @@ def _label(path: str) -> str:
 def load_runs(inputs: list[str]) -> list[dict[str, Any]]:
     """The JSONs behind ``inputs`` (files or directories, see the module's docstring), in order:
     ``{"kind": "bench" | "paths" | "versions", "label", "path", "data"}`` each."""
-    files: list[str] = []
-    for item in inputs:
-        if os.path.isdir(item):
-            found = sorted(f for pattern in ("*gpu_bench.json", "*gpu_paths.json", "*gpu_versions.json")
-                           for f in glob.glob(os.path.join(item, pattern)))
-            if not found and os.path.exists(os.path.join(item, "gpu_report.json")):
-                found = [os.path.join(item, "gpu_report.json")]
-            if not found:
-                raise ValueError(f"{item}: no gpu_bench.json, gpu_paths.json or gpu_report.json in it")
-            files += found
-        elif os.path.isfile(item):
-            files.append(item)
-        else:
-            raise ValueError(f"{item}: no such file or directory")
+    files = json_inputs(inputs, ("*gpu_bench.json", "*gpu_paths.json", "*gpu_versions.json"), fallback="gpu_report.json",
+                        what="gpu_bench.json, gpu_paths.json or gpu_report.json")
     runs: list[dict[str, Any]] = []
     for path in files:
         with open(path) as f:

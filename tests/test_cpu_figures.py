@@ -39,14 +39,12 @@ def rendered(tmp_path_factory):
 def test_every_figure_is_drawn_with_its_data_machine_date_and_command(rendered):
     out, result = rendered
     assert not result["skipped"]
-    names = {"cpu-plan-vs-measured": "bench_plan", "cpu-fsdp-memory": "bench_fsdp_memory",
-             "cpu-cp-memory": "bench_cp", "cpu-process-groups": "bench_process_groups",
-             "cpu-tp-memory": "bench_tp_memory", "cpu-pp-bubble-memory": "bench_pp_bubble_memory",
-             "cpu-sac": "bench_sac", "cpu-moe": "bench_moe_quality", "cpu-fsdp-throughput": "bench_fsdp_throughput",
-             "cpu-checkpoint-stall": "bench_checkpoint", "cpu-eval": "bench_eval", "cpu-preemption": "bench_preemption",
-             "cpu-end-to-end": "bench_end_to_end", "cpu-fault-tolerance": "bench_fault_tolerance",
-             "cpu-setup-memory": "bench_setup_memory", "cpu-accumulation-memory": "bench_accumulation_memory",
-             "cpu-muon": "bench_muon"}
+    from cpu_figures import FIGURES
+
+    names = dict(FIGURES)
+    # every recorded result has its figure, and every figure its recorded result
+    recorded = {json.loads(p.read_text())["benchmark"] for p in RESULTS.glob("*.json")}
+    assert set(names.values()) == recorded and len(names) == len(recorded)
     assert set(result["files"]) == set(names)
     for figure, benchmark in names.items():
         assert result["files"][figure] == str(out / f"{figure}.svg")

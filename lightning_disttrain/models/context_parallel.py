@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_disttrain.models.ring_attention import group_name_of, pairs_computed, ring_attention
+from lightning_disttrain.models.ring_attention import group_name_of, ring_attention
 
 
 @dataclass(eq=False)
@@ -127,11 +127,6 @@ def attention_work(seq_len: int, rank: int, size: int) -> int:
     """(query, key) pairs a causal mask lets ``rank`` compute: the load-balance measure."""
     q = local_positions(seq_len, rank, size)
     return int((q + 1).sum())
-
-
-def attention_pairs_computed(seq_len: int, rank: int, size: int) -> int:
-    """(query, key) pairs the ring's kernels are handed on ``rank`` (``ring_attention.pairs_computed``)."""
-    return pairs_computed(seq_len, rank, size)
 
 
 @contextmanager

@@ -143,9 +143,9 @@ def _block_bytes(shape: ModelShape, layer: int, policy: str, e: int, t: int, ep:
     scores = 0.0 if flash else 5 * a * (seq_len or shape.seq_len) * e / 2 / t
     if policy == "none":
         attn = norm_bytes(shape, e, cpu) / t + e * h + e * (h + 2 * kv) / t + e * h / t + 4 * a / t + scores
-        ffn = norm_bytes(shape, e, cpu) / t + e * h
         if not moe:
-            return attn + ffn + e * _mlp_factor(shape.mlp) * shape.ffn_hidden / t
+            return attn + _mlp_bytes(shape, layer, e, t, cpu)
+        ffn = norm_bytes(shape, e, cpu) / t + e * h
         c, fe = _mlp_factor(shape.mlp), shape.expert_hidden
         ffn += 4 * shape.num_experts + (4 * h if e < 4 else 0)
         ffn += routed_assignments(shape) * (3 * e * h + e * c * fe + INDEX_BYTES_PER_ASSIGNMENT)

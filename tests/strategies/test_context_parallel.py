@@ -12,11 +12,11 @@ import cp_worker as worker
 from dist_utils import in_this_process
 from lightning_disttrain.models.context_parallel import (
     ContextParallel,
-    attention_pairs_computed,
     attention_work,
     check_length,
     shard_sequence,
 )
+from lightning_disttrain.models.ring_attention import pairs_computed
 
 WORKER = "cp_worker"
 LAUNCH = {2: ["cp2", "activations", "cp2_sac", "cp2_learned", "cp2_compile", "resume", "reshard"],
@@ -113,7 +113,7 @@ def test_causal_work_is_balanced_across_cp_ranks():
         work = [attention_work(seq_len, r, size) for r in range(size)]
         assert max(work) / min(work) <= 1.05, work
         # what the kernels are handed (each chunk against its key prefix): exactly equal
-        assert len({attention_pairs_computed(seq_len, r, size) for r in range(size)}) == 1
+        assert len({pairs_computed(seq_len, r, size) for r in range(size)}) == 1
     # a contiguous split would not be: the last rank computes 2*size-1 times the first's work
     contiguous = [sum(p + 1 for p in range(r * 1024, (r + 1) * 1024)) for r in range(4)]
     assert max(contiguous) / min(contiguous) > 5
