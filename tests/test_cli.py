@@ -37,7 +37,7 @@ PARALLEL_CONFIGS = {
     "expert-parallel": ("expert_parallel: ep=2, 3 MoE layers, experts not FSDP-sharded", "ep"),
     "context-parallel": ("context_parallel: cp=2, 4 attention layers run ring attention, load-balanced chunks", "cp"),
 }
-LAUNCH = {2: list(PARALLEL_CONFIGS)}
+LAUNCH = {2: [*PARALLEL_CONFIGS, "muon-clip"]}
 
 
 @pytest.mark.slow
@@ -60,6 +60,20 @@ def test_parallel_configs_train_on_two_cpu_ranks(launched, config):
 
     manifest = verify_checkpoint(runs / "checkpoints" / "last.ckpt")  # sharded, complete
     assert manifest.global_step == 4 and manifest.extra["parallel_dims"][dim] == 2
+
+
+@pytest.mark.slow
+def test_the_muon_clip_config_trains_with_muon_and_logs_the_largest_logit(launched):
+    rank0 = launched(WORKER, 2)["muon-clip"][0]
+    assert rank0["steps"] == 4
+    runs = Path(rank0["runs"])
+    rows = list(csv.DictReader(open(next((runs / "logs").glob("version_*/metrics.csv")))))
+    logits = [float(r["attn/max_logit"]) for r in rows if r.get("attn/max_logit")]
+    assert len(logits) == 2 and all(0 < x < 100 for x in logits)  # steps 2 and 4; tau=100 clips nothing here
+    assert any(r.get("train/lr_muon") for r in rows)  # Muon's group, beside AdamW's train/lr
+    from lightning_disttrain.checkpoint import verify_checkpoint
+
+    assert verify_checkpoint(runs / "checkpoints" / "last.ckpt").global_step == 4
 
 
 def test_cli_fit_from_yaml(tmp_path):

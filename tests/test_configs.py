@@ -61,4 +61,4 @@ def test_shipped_config_saves_on_sigterm_and_resumes_itself(config):
     paths = [c["class_path"] for c in data["trainer"]["callbacks"]]
     assert "lightning_disttrain.callbacks.PreemptionCheckpoint" in paths
     assert data.get("ckpt_path") == "auto"
-    assert len(TRAINING_CONFIGS) == 8
+    assert len(TRAINING_CONFIGS) == 9

@@ -95,7 +95,7 @@ def _optimizer_steps(trainer):
 
 
 def _fit_counting(tmp_path, monkeypatch, name: str, steps: int, every: int, bar: L.Callback | None = None,
-                  **overrides) -> dict[int, list[str]]:
+                  callbacks: tuple = (), **overrides) -> dict[int, list[str]]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = (torch.randint(0, 64, (steps * 4, 1), generator=g) + torch.arange(17)) % 64
@@ -107,7 +107,7 @@ def _fit_counting(tmp_path, monkeypatch, name: str, steps: int, every: int, bar:
     # ModelCheckpoint) and a logger.
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=every,
                         limit_val_batches=0, logger=CSVLogger(tmp_path), default_root_dir=tmp_path,
-                        callbacks=[per_step] + ([bar] if bar is not None else []))
+                        callbacks=[per_step, *callbacks] + ([bar] if bar is not None else []))
     trainer.fit(module, loader)
     assert sorted(per_step.steps) == list(range(1, steps + 1))
     return per_step.steps
@@ -127,6 +127,23 @@ def _check(steps: dict[int, list[str]], every: int) -> None:
 def test_a_step_that_does_not_log_reads_nothing_on_the_host(tmp_path, monkeypatch, bar):
     every = 3
     _check(_fit_counting(tmp_path, monkeypatch, "tiny", steps=2 * every, every=every, bar=bar(), n_layer=2), every)
+
+
+def test_qk_clip_reads_nothing_on_the_host_in_a_step_that_does_not_log(tmp_path, monkeypatch):
+    # the largest logits' all-reduce and the clip stay on the device; the loggers' steps read them
+    import csv
+
+    from lightning_disttrain.callbacks import QKClip
+
+    every, clip = 3, QKClip(tau=0.05)
+    _check(_fit_counting(tmp_path, monkeypatch, "tiny", steps=2 * every, every=every, callbacks=(clip,), n_layer=2),
+           every)
+    assert clip.clipped_heads > 0 and clip.max_logit > 0.05
+    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("attn/max_logit")]
+    assert [int(r["step"]) for r in rows] == [every - 1, 2 * every - 1]  # the rows of those steps' train/loss
+    assert float(rows[-1]["attn/max_logit"]) == pytest.approx(clip.max_logit)
+    assert int(float(rows[-1]["attn/clipped_heads"])) == clip.clipped_heads
 
 
 def test_a_moe_step_that_does_not_log_reads_nothing_on_the_host(tmp_path, monkeypatch):

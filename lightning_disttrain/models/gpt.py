@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from lightning_disttrain.models import param_init
 from lightning_disttrain.models.context_parallel import ContextParallel
+from lightning_disttrain.models.max_logit import causal_max_logit, ring_max_logit
+from lightning_disttrain.models.ring_attention import ring_shift_of
 from lightning_disttrain.models.moe import MoE, MoEConfig, active_params, check_gpt_moe_fields, moe_layers
 
 _MLPS = ("gelu", "swiglu", "relu2")
@@ -222,9 +224,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.layer = layer
         kv_dim = config.n_kv_head * config.head_dim
         # Separate q/k/v projections (not one fused c_attn) so that column-wise tensor parallel
         # shards whole heads of each.
@@ -237,6 +240,11 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.context_parallel: ContextParallel | None = None
         """Set by the strategy under cp > 1: the sequence is sharded, attention runs the ring."""
+        self.track_max_logit = False
+        """Set by ``callbacks.QKClip``: training forwards record each head's largest logit."""
+        self.max_logit: torch.Tensor | None = None
+        """With ``track_max_logit``: the largest pre-softmax logit of each of this rank's query heads
+        over the training forwards since the last reset (float32, ``(local heads,)``); None before one."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -251,12 +259,25 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D) for SDPA
         dropout_p = self.dropout if self.training else 0.0
         cp = self.context_parallel
+        if self.track_max_logit and self.training:
+            self._record_max_logit(q, k)
         if cp is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
                                                enable_gqa=self.n_kv_head != self.n_head)
         else:  # this rank's queries against the whole sequence's keys (models/context_parallel.py)
             y = cp.attention(q, k, v, dropout_p=dropout_p, enable_gqa=self.n_kv_head != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    @torch.compiler.disable  # a side effect on the module, outside any compiled graph (QK-clip only)
+    def _record_max_logit(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Fold this forward's per-head largest logit into ``max_logit`` (models/max_logit.py); a
+        recomputed forward (activation checkpointing) records the same values again."""
+        cp = self.context_parallel
+        if cp is None:
+            current = causal_max_logit(q, k)
+        else:
+            current = ring_max_logit(q, k, cp.rank, cp.size, ring_shift_of(cp.group_name))
+        self.max_logit = current if self.max_logit is None else torch.maximum(self.max_logit, current)
 
 
 class MLP(nn.Module):
@@ -285,7 +306,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = _norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.mlp_norm = _norm(config)
         self.mlp = MoE(config.moe_config()) if config.is_moe_layer(layer) else MLP(config)
         self.dropout = nn.Dropout(config.dropout)

@@ -172,8 +172,9 @@ def group_name_of(group: Any) -> str:
     return (group.get_group() if hasattr(group, "get_group") else group).group_name
 
 
-def _group_shift(group_name: str) -> Shift:
-    # resolved when the operator runs (not when a graph was traced): the live group of that name
+def ring_shift_of(group_name: str) -> Shift:
+    """The ring's transfer over the process group named ``group_name``, resolved now (when the
+    operator runs, not when a graph was traced): the live group of that name."""
     group = torch_compat.resolve_process_group(group_name)
     return lambda tensors: comm.ring_shift(tensors, group)
 
@@ -181,7 +182,7 @@ def _group_shift(group_name: str) -> Shift:
 @torch.library.custom_op("ldt::ring_attention", mutates_args=())
 def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, rank: int,
                        size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return ring_forward(q, k, v, rank, size, _group_shift(group_name), scale)
+    return ring_forward(q, k, v, rank, size, ring_shift_of(group_name), scale)
 
 
 @_ring_attention_op.register_fake
@@ -193,7 +194,7 @@ def _(q, k, v, group_name, rank, size, scale):
 def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor, group_name: str, rank: int, size: int,
                                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return ring_backward(grad_out, q, k, v, out, lse, rank, size, _group_shift(group_name), scale)
+    return ring_backward(grad_out, q, k, v, out, lse, rank, size, ring_shift_of(group_name), scale)
 
 
 @_ring_attention_backward_op.register_fake

@@ -27,9 +27,10 @@ whole model) nor Lightning's separate ``backward`` can run. Under pp the strateg
 Gradient accumulation: a schedule step ends with FSDP's reduce-scatter of the step's gradients;
 inside an accumulation window (Lightning's ``block_backward_sync``) the strategy has the stages
 keep them unreduced instead, so the window's last step reduces their sum once per optimizer step.
-The MoE balancing loads: the schedule's first step probes the stages' shapes with a forward and
-backward of their own, whose routing the strategy discards (``PipelineRunner.state_guard``); the
-bias update then counts exactly the micro-batches' tokens, as without pp.
+The MoE balancing loads and QK-clip's largest logits: the schedule's first step probes the stages'
+shapes with a forward and backward of their own, whose routing and logits the strategy discards
+(``PipelineRunner.state_guard``); the bias update then counts exactly the micro-batches' tokens,
+and the clip sees exactly their logits, as without pp.
 
 Gradients: Lightning zeroes them *between* ``training_step`` and ``backward`` (to free them
 before the backward's peak), which under pp would discard what the schedule just computed. So on
@@ -123,7 +124,7 @@ class PipelineStepMixin:
                                         self.root_device)
         aux_loss = getattr(module, "pipeline_aux_loss", None)
         self._pipeline.aux_loss = aux_loss if callable(aux_loss) else None
-        self._pipeline.state_guard = _moe_load_guard(modules)
+        self._pipeline.state_guard = _probe_guard(modules)
         held = ", ".join(f"stage {s} (blocks {keys[ranges[s][0]]}-{keys[ranges[s][-1]]})" for s in local)
         return (f"pipeline: {options.schedule}, {n_stages} stages of {n_blocks} blocks "
                 f"{[len(r) for r in ranges]}, {self._pipeline.microbatches} micro-batches; this rank: {held}")
@@ -312,23 +313,26 @@ class PipelineStepMixin:
     on_test_end = on_predict_end = on_validation_end
 
 
-def _moe_load_guard(stages: list[nn.Module]):
-    """``PipelineRunner.state_guard`` for the mixture-of-experts layers in ``stages``: their
-    per-expert loads counted for the balancing bias (``MoE._pending_load``), saved and restored, so
-    that the schedule's shape probing (a forward and backward of made-up activations) is not
-    counted. None when the stages hold no MoE layer."""
+def _probe_guard(stages: list[nn.Module]):
+    """``PipelineRunner.state_guard`` for what the stages record while training, saved and
+    restored so that the schedule's shape probing (a forward and backward of made-up activations)
+    is not counted: the mixture-of-experts layers' per-expert loads for the balancing bias
+    (``MoE._pending_load``) and, under QK-clip, the attention layers' largest logits
+    (``CausalSelfAttention.max_logit``). None when the stages hold neither kind of layer."""
+    from lightning_disttrain.models.gpt import CausalSelfAttention
     from lightning_disttrain.models.moe import MoE
 
-    layers = [m for stage in stages for m in stage.modules() if isinstance(m, MoE)]
+    recorded = ((MoE, "_pending_load"), (CausalSelfAttention, "max_logit"))
+    layers = [(m, name) for stage in stages for m in stage.modules() for kind, name in recorded if isinstance(m, kind)]
     if not layers:
         return None
 
     def snapshot():
-        saved = [(layer, layer._pending_load) for layer in layers]
+        saved = [(layer, name, getattr(layer, name)) for layer, name in layers]
 
         def restore() -> None:
-            for layer, load in saved:
-                layer._pending_load = load
+            for layer, name, value in saved:
+                setattr(layer, name, value)
 
         return restore
 

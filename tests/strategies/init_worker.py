@@ -6,7 +6,8 @@ one eager process.
 
 Runs named ``config-<name>`` take the strategy, precision and model of ``configs/<name>.yaml``
 (with the strategy's default ``empty_init``, 2 ranks, this file's tiny vocabulary and random tokens; the 124M model
-of ``gpt2-124m-fineweb`` shrinks to ``tiny`` on CPU). The others are layouts the configs do not
+of ``gpt2-124m-fineweb`` shrinks to ``tiny`` on CPU); configs that initialise alike (the same
+strategy, precision and model: ``muon-clip`` and ``quickstart`` differ in the optimizer) share one run. The others are layouts the configs do not
 cover: CPU offload, interleaved pipeline, HSDP, and 2-D / 3-D combinations on 4 ranks.
 """
 
@@ -47,7 +48,20 @@ LAYOUTS = {
     "pp2_tp2": (dict(pp=2, tp=2, pp_microbatches=4), "tiny", UNTIED),
     "ep2_fsdp4": (dict(dp_shard=4, ep=2), "tiny-moe", MOE),
 }
-TWO_RANK = [f"config-{c}" for c in CONFIGS] + ["fsdp2_offload", "tp2_no_sp", "pp2_interleaved"]
+
+
+def _initialising_part(name: str) -> str:
+    """What of ``configs/<name>.yaml`` decides the initial weights: the strategy, the precision, the
+    model's preset and overrides (not its optimizer or the callbacks)."""
+    spec = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    model = spec["model"]["init_args"]
+    return repr((spec["trainer"].get("strategy"), spec["trainer"].get("precision"), model.get("config", "tiny"),
+                 model.get("model_overrides")))
+
+
+SAME_AS = {c: next(o for o in CONFIGS if _initialising_part(o) == _initialising_part(c)) for c in CONFIGS}
+"""Each config -> the first config that initialises the same way (its run covers both)."""
+TWO_RANK = [f"config-{c}" for c in CONFIGS if SAME_AS[c] == c] + ["fsdp2_offload", "tp2_no_sp", "pp2_interleaved"]
 FOUR_RANK = ["hsdp", "hsdp_offload", "tp2_fsdp2", "pp2_fsdp2", "pp2_tp2", "ep2_fsdp4"]
 
 
