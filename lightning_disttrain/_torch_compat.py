@@ -1,8 +1,9 @@
 """Every use of a torch private, in one module.
 
 torch has no public API for a few things the package does: tracking which storages an op writes or
-allocates (a ``TorchDispatchMode`` and pytree), a DTensor's shard object itself, flattening and
-unflattening a ``DeviceMesh``, FSDP2's post-backward without gradient sync, a forward-only
+allocates (a ``TorchDispatchMode`` and pytree), a DTensor's shard object itself, every rank's piece
+of a sharded tensor (Muon's owners under tensor parallel), flattening and unflattening a
+``DeviceMesh``, FSDP2's post-backward without gradient sync, a forward-only
 pipeline schedule for several stages per rank, DCP's single-process load and its fsspec storage,
 dynamo's compilation records, inductor's async-TP switch, a FLOP formula ``FlopCounterMode``
 passes through as is, the hook ``parallelize_module`` calls on a style (``ParallelStyleBase``), an
@@ -236,6 +237,15 @@ def _profiler_ops() -> tuple[Any, Any]:
             getattr(profiler, "_record_function_exit")._RecordFunction)
 
 
+def _probe_split_tensor() -> None:
+    types = _module("torch.distributed.tensor.placement_types")
+    index = torch.arange(5).view(5, 1)
+    for placement in (types.Shard(0), types._StridedShard(0, split_factor=2)):
+        pieces, _ = placement._split_tensor(index, 2, with_padding=False, contiguous=False)
+        if len(pieces) != 2 or sorted(torch.cat(pieces).view(-1).tolist()) != list(range(5)):
+            raise AttributeError(f"{type(placement).__name__}._split_tensor no longer splits into its ranks' pieces")
+
+
 def _probe_micro_pipeline_tp() -> None:
     config = _module("torch._inductor.config")
     if not isinstance(getattr(config, "_micro_pipeline_tp"), bool):
@@ -283,6 +293,17 @@ PRIVATES: tuple[Private, ...] = (
             "the slice of the full tensor a rank's shard holds (reading a Hugging Face checkpoint shard by shard)",
             "none in torch 2.13",
             lambda: _resolve("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")),
+    Private("torch.distributed.tensor.placement_types:_StridedShard",
+            "FSDP2's placement of a dimension tensor parallel shards too (split on the TP dimension first): "
+            "ShardedMuon takes it as a sharded placement",
+            "none in torch 2.13 (it is neither a Shard nor is_shard())",
+            lambda: _resolve("torch.distributed.tensor.placement_types", "_StridedShard")),
+    Private("torch.distributed.tensor.placement_types:Shard._split_tensor/_StridedShard._split_tensor",
+            "the rows (columns) every rank of a mesh dimension holds, not only this rank's: ShardedMuon's owner "
+            "assembles a tensor-parallel matrix from its pieces",
+            "distribute_tensor(..., src_data_rank=None) gives this rank's piece only (ShardedMuon checks its own "
+            "piece against it)",
+            _probe_split_tensor),
     Private("torch.distributed.tensor._random:is_rng_supported_mesh",
             "whether DTensor's random ops draw a shard as the slice of one full random tensor on a mesh",
             "none in torch 2.13",
@@ -542,6 +563,24 @@ def compute_local_shape_and_global_offset(global_shape: Any, mesh: Any, placemen
     """(shape, offset) of this rank's shard of a tensor of ``global_shape`` laid out by ``placements``."""
     return _get("torch.distributed.tensor._utils:compute_local_shape_and_global_offset")(
         global_shape, mesh, placements)
+
+
+def strided_shard_type() -> type:
+    """``_StridedShard``: FSDP2's placement of a tensor dimension that tensor parallel shards too."""
+    return _get("torch.distributed.tensor.placement_types:_StridedShard")
+
+
+def placement_pieces(placement: Any, tensor: torch.Tensor, ranks: int) -> list[torch.Tensor]:
+    """The pieces a ``Shard`` or ``_StridedShard`` ``placement`` cuts ``tensor`` into over a mesh
+    dimension of ``ranks`` ranks, in mesh-coordinate order, empty ones included: what
+    ``distribute_tensor(..., src_data_rank=None)`` keeps of it on each rank (views, unpadded)."""
+    split = _attr(placement, "_split_tensor",
+                  "torch.distributed.tensor.placement_types:Shard._split_tensor/_StridedShard._split_tensor")
+    pieces, _ = split(tensor, ranks, with_padding=False, contiguous=False)
+    if len(pieces) != ranks:
+        name = "torch.distributed.tensor.placement_types:Shard._split_tensor/_StridedShard._split_tensor"
+        raise _fail(name.replace(":", "."), f"{_entry(name).why}; it gave {len(pieces)} pieces for {ranks} ranks")
+    return list(pieces)
 
 
 def is_rng_supported_mesh(mesh: Any) -> bool:

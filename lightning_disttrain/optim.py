@@ -3,10 +3,10 @@
 - AdamW with weight decay on 2-D weights only (norms, biases: none), fused (torch's fused kernels
   instead of foreach's op per step of the update) on CUDA and on CPU alike.
 - Hybrid Muon: ``torch.optim.Muon``'s update on the 2-D hidden matrices of the blocks (under FSDP2 /
-  HSDP ``parallel.muon.ShardedMuon``: each matrix orthogonalised once, on an owner rank), AdamW on the
-  embedding, the head, norms and biases (Muon is defined for hidden matrices only; Keller Jordan's
-  recipe). Lightning's automatic optimization takes one optimizer, so the two travel together as
-  one ``HybridOptimizer``; checkpointing code unpacks ``.optimizers``.
+  HSDP / tensor parallel ``parallel.muon.ShardedMuon``: each matrix orthogonalised once, whole, on an
+  owner rank), AdamW on the embedding, the head, norms and biases (Muon is defined for hidden
+  matrices only; Keller Jordan's recipe). Lightning's automatic optimization takes one optimizer,
+  so the two travel together as one ``HybridOptimizer``; checkpointing code unpacks ``.optimizers``.
 - Schedules as multipliers of each group's base LR, stepped once per optimizer step: linear
   warmup then cosine down to ``min_lr_ratio``, or warmup-stable-decay (WSD: hold, then linear
   decay over the final ``decay_fraction`` of training).
@@ -145,11 +145,11 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 6e-4, 
     muon_kwargs = dict(lr=muon_lr, weight_decay=weight_decay, momentum=muon_momentum, adjust_lr_fn="match_rms_adamw")
     problems = {n: sharded_layout_problem(p) for n, p in hidden}
     unsupported = {n: why for n, why in problems.items() if why}
-    if not unsupported:  # plain tensors, FSDP2, HSDP: each matrix orthogonalised once, on its owner rank
+    if not unsupported:  # plain tensors, FSDP2, HSDP, TP and their products: each matrix once, on its owner rank
         muon: Optimizer = ShardedMuon([p for _, p in hidden], **muon_kwargs)
     else:
-        # A layout the owner path does not take yet (tensor parallel): torch's Muon on the DTensors,
-        # whose Newton-Schulz is DTensor math on the whole matrix (collectives inside each matmul).
+        # A layout the owner path does not take (Partial): torch's Muon on the DTensors, whose
+        # Newton-Schulz is DTensor math on the whole matrix (collectives inside each matmul).
         name, why = next(iter(unsupported.items()))
         warnings.warn(f"optimizer='muon': {len(unsupported)} matrices (first {name!r}: {why}); using torch.optim.Muon "
                       "on the DTensors for all of them (whole-matrix Newton-Schulz through DTensor's collectives, "

@@ -147,6 +147,26 @@ def test_shard_shape_and_offset_rng_and_meshes(mesh):
     assert split.mesh_dim_names == ("x", "y") and split["y"].size() == 1
 
 
+def test_placement_pieces_are_every_ranks_piece_as_torch_splits_it():
+    rows = torch.arange(10).view(10, 1)
+    assert [p.view(-1).tolist() for p in compat.placement_pieces(Shard(0), torch.arange(5).view(5, 1), 4)] == [
+        [0, 1], [2, 3], [4], []]  # torch.chunk's, the empty piece included
+    assert [p.view(-1).tolist() for p in compat.placement_pieces(Shard(1), torch.arange(5).view(1, 5), 2)] == [
+        [0, 1, 2], [3, 4]]
+    strided = compat.strided_shard_type()(0, split_factor=2)  # split over tp (2) first, then over this dimension
+    assert [p.view(-1).tolist() for p in compat.placement_pieces(strided, rows, 2)] == [[0, 1, 2, 5, 6, 7], [3, 4, 8, 9]]
+
+
+def test_placement_pieces_without_the_split_fails_loudly(monkeypatch):
+    from torch.distributed.tensor.placement_types import Shard as ShardClass
+
+    monkeypatch.delattr(ShardClass, "_split_tensor")
+    with gone("Shard._split_tensor"):
+        compat.placement_pieces(Shard(0), torch.arange(4).view(4, 1), 2)
+    with gone("Shard._split_tensor"):
+        compat.check()
+
+
 def test_funcol_and_foreach_mul():
     assert callable(compat.funcol().all_to_all_single)
     a, b = torch.tensor([1.0, 2.0]), torch.tensor([[3.0]], dtype=torch.float32)
@@ -343,6 +363,7 @@ MISSING = [
      lambda: compat.compute_local_shape_and_global_offset((1,), None, [])),
     ("is_rng_supported_mesh", ("torch.distributed.tensor._random", "is_rng_supported_mesh"),
      lambda: compat.is_rng_supported_mesh(None)),
+    ("_StridedShard", ("torch.distributed.tensor.placement_types", "_StridedShard"), compat.strided_shard_type),
     ("torch._foreach_mul_", ("torch", "_foreach_mul_"), lambda: compat.foreach_mul_([], torch.tensor(1.0))),
     ("_functional_collectives.wait_tensor", ("torch.distributed._functional_collectives", "wait_tensor"),
      compat.funcol),

@@ -176,7 +176,8 @@ def make_plan(shape: ModelShape, workload: Workload, cluster: Cluster, money: Mo
                             + (f"; with Muon the blocks' matrices ({muon_params(shape) / shape.params:.0%} of the "
                                f"parameters) keep one momentum of {sb.moments / 2:g} bytes instead of the moments, "
                                f"and each step adds Newton-Schulz (5 iterations) on every whole matrix, split over the "
-                               f"ranks that shard it, and two all-to-alls" if workload.optimizer == "muon" else ""))
+                               f"ranks that hold its pieces (tensor parallel's too), and two all-to-alls per "
+                               f"dimension that splits it" if workload.optimizer == "muon" else ""))
     plan.assumptions.append(
         "gradient accumulation under FSDP: " + (
             "one reduce-scatter per optimizer step (--accumulate-unsharded-grads): every rank holds its part's "

@@ -25,8 +25,9 @@ layout's communication.
 - ep: the dispatch and the combine all-to-all of k'·s·b·h per MoE block and micro-batch, forward and
   backward, (ep - 1)/ep of it leaving each rank; exposed.
 - muon (``Workload(optimizer="muon")``): the optimizer step's Newton-Schulz on the blocks' whole
-  matrices, split over the ranks that shard them, and its two all-to-alls; exposed
-  (``muon_step_seconds``).
+  matrices, split over every rank that holds a piece of them (data and tensor parallel), and its
+  all-to-alls (two per mesh dimension that splits the matrices, one more across replicas);
+  exposed (``muon_step_seconds``).
 - dp: FSDP's all-gathers (forward and backward of every micro-step; ZeRO-2: forward only) and
   the gradient reduce-scatter, DDP's all-reduce, HSDP's all-reduce across nodes; overlapped with
   the compute, so only what exceeds it is exposed. With gradient accumulation FSDP reduce-scatters
@@ -206,8 +207,8 @@ def step_terms(shape: ModelShape, layout: Layout, workload: Workload, cluster: C
             dp_comm += (all_reduces * 2 * _ring(layout.dp_replicate) * (dense / n + experts / max(1, n // ep)) * 4
                         / inter)
     dp_exposed = max(0.0, dp_comm - compute)
-    muon = (muon_step_seconds(shape, layout, peak * mfu, shard_bw, inter) if workload.optimizer == "muon"
-            else 0.0)
+    muon = (muon_step_seconds(shape, layout, peak * mfu, shard_bw, inter, intra if t <= G else inter)
+            if workload.optimizer == "muon" else 0.0)
     busy = compute + recompute + tp_comm + cp_comm + ep_comm
     bubble = pipeline_bubble(layout.pipeline, p) * busy if p > 1 else 0.0
     terms = {"compute": compute, "recompute": recompute, "bubble": bubble, "tp": tp_comm, "cp": cp_comm,
@@ -237,26 +238,25 @@ def ring_exposed_seconds(shape: ModelShape, cp: int, t: int, micro_batch: int, s
 
 
 def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, bandwidth: float,
-                      replica_bandwidth: float | None = None) -> float:
+                      replica_bandwidth: float | None = None, tp_bandwidth: float | None = None) -> float:
     """Muon's optimizer step on the busiest pipeline rank: Newton-Schulz on every whole matrix of
-    its blocks, split over every data-parallel rank (``ShardedMuon``: one owner per matrix among
-    the ``dp_shard x cp`` ranks that shard it and, under HSDP, the ``dp_replicate`` replicas too),
-    at ``flops_per_s``; its two all-to-alls over the shard group (the shards to their owners and the
-    results back, bf16: 2 x 2 B per element of the rank's 1/n, (n - 1)/n of it crossing) and,
-    under HSDP, one over the replica group (this rank's rows of the other replicas' results:
-    2 B per element of its 1/n, (r - 1)/r of it, at ``replica_bandwidth``), not overlapped. Under
-    tensor parallel torch's Muon runs on the DTensors instead: every rank computes every matrix
-    (no split), and the per-matmul collectives are not modelled."""
+    its blocks, split over every rank that holds a piece of it (``ShardedMuon``: one owner per
+    matrix among the ``dp_shard x cp`` ranks that shard it, times the ``tp`` ranks that split it,
+    and, under HSDP, the ``dp_replicate`` replicas too), at ``flops_per_s``; its all-to-alls, the
+    pieces to their owners and the results back (bf16), not overlapped: over the shard group 2 x 2
+    B per element of the rank's 1/(n t), (n - 1)/n of it crossing, at ``bandwidth``; over the tp
+    group the same with (t - 1)/t, at ``tp_bandwidth``; under HSDP one over the replica group (this
+    rank's piece of the other replicas' results: 2 B per element of its 1/(n t), (r - 1)/r of it,
+    at ``replica_bandwidth``)."""
     ranks = rank_stages(layout.pipeline, layout.pp, shape.n_layer)
     layers = max((r.all_layers for r in ranks), key=lambda ls: sum(shape.newton_schulz_flops_of_layer(i) for i in ls))
     flops = sum(shape.newton_schulz_flops_of_layer(i) for i in layers)
-    if layout.tp > 1:
-        return flops / flops_per_s
-    n, r = layout.dp_shard * layout.cp, layout.dp_replicate
-    elements = sum(shape.muon_params_of_layer(i) for i in layers)
-    seconds = flops / (n * r) / flops_per_s + 2 * 2 * elements / n * _ring(n) / bandwidth
+    n, t, r = layout.dp_shard * layout.cp, layout.tp, layout.dp_replicate
+    piece = sum(shape.muon_params_of_layer(i) for i in layers) / (n * t)  # elements of this rank's pieces
+    seconds = (flops / (n * t * r) / flops_per_s
+               + 2 * 2 * piece * (_ring(n) / bandwidth + _ring(t) / (tp_bandwidth or bandwidth)))
     if r > 1:
-        seconds += 2 * elements / n * _ring(r) / (replica_bandwidth or bandwidth)
+        seconds += 2 * piece * _ring(r) / (replica_bandwidth or bandwidth)
     return seconds
 
 

@@ -5,8 +5,9 @@ which Lightning runs inside ``optimizer.step``, are outside).
 
     python multi_worker.py OUT_DIR DEVICES muon_worker:RUN
 
-RUN: a strategy name (``fsdp2``, ``fsdp2_zero2``, ``auto``) or ``hsdp2x2`` (dp_replicate=2 x
-dp_shard=2); ``STRATEGY+fp32``: the Newton-Schulz iteration in fp32; ``STRATEGY+torch``:
+RUN: a strategy name (``fsdp2``, ``fsdp2_zero2``, ``auto``), ``hsdp2x2`` (dp_replicate=2 x
+dp_shard=2), ``tp2`` (tensor parallel over 2 ranks) or ``fsdp2tp2x2`` (dp_shard=2 x tp=2);
+``STRATEGY+fp32``: the Newton-Schulz iteration in fp32; ``STRATEGY+torch``:
 ``torch.optim.Muon`` on the DTensors (the path before issue 41; measurements only); ``resume`` /
 ``reshard``: a DCP checkpoint of Muon's state resumed on the same layout / on another
 (``resume_run``).
@@ -89,13 +90,14 @@ RESUME_AT = 3
 """Resume runs: the first fit saves here (and trains on to STEPS); the second resumes from it to STEPS."""
 
 
-def _loader(devices: int, start: int = 0) -> DataLoader:
+def _loader(trainer: L.Trainer, start: int = 0) -> DataLoader:
     """Steps ``start``..STEPS of the run's data, this rank's part of each global batch."""
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    # Rank r takes slice r of every global batch (Lightning's own sampler would shuffle), so each
-    # step's global batch is the same 8 samples as the one-process run's; a resumed fit starts at
-    # its first untrained step.
-    rank, micro = int(os.environ.get("LOCAL_RANK", 0)), GLOBAL_BATCH // devices
+    # Data-parallel rank r takes slice r of every global batch (Lightning's own sampler would
+    # shuffle; the tensor-parallel ranks of one replica read the same), so each step's global batch
+    # is the same 8 samples as the one-process run's; a resumed fit starts at its first untrained step.
+    ranks = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+    rank, micro = ranks["rank"], GLOBAL_BATCH // ranks["num_replicas"]
     order = [s * GLOBAL_BATCH + rank * micro + i for s in range(start, STEPS) for i in range(micro)]
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=micro, sampler=order)
 
@@ -105,7 +107,7 @@ def _fit(strategy, devices: int, impl: str = "", ckpt_dir: Path | None = None, c
     module = module_class("tiny", vocab_size=VOCAB, optimizer="muon", lr=1e-3, muon_lr=0.02,
                           model_overrides=dict(n_layer=2, n_embd=32, n_head=2, block_size=SEQ))
     # built when fit asks for it: a resumed fit (global_step restored by then) starts after the trained steps
-    module.train_dataloader = lambda: _loader(devices, module.trainer.global_step)
+    module.train_dataloader = lambda: _loader(module.trainer, module.trainer.global_step)
     losses, steps = Losses(), OptimizerSteps()
     callbacks = [losses, steps]
     if ckpt_dir is not None:
@@ -115,6 +117,10 @@ def _fit(strategy, devices: int, impl: str = "", ckpt_dir: Path | None = None, c
                                          filename="step={step}", auto_insert_metric_name=False))
     if strategy == "hsdp2x2":
         strategy = NDParallelStrategy(dp_replicate=2)
+    elif strategy == "tp2":
+        strategy = NDParallelStrategy(tp=2)
+    elif strategy == "fsdp2tp2x2":
+        strategy = NDParallelStrategy(dp_shard=2, tp=2)
     trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS,
                         callbacks=callbacks, logger=False, enable_checkpointing=ckpt_dir is not None,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
@@ -145,5 +151,7 @@ def fit_run(run: str, devices: int) -> dict:
     strategy, _, impl = run.partition("+")
     L.seed_everything(0)
     trainer, losses, steps = _fit(strategy, devices, impl)
+    placements = sorted({str(tuple(p.placements)) for g in steps.muon.param_groups for p in g["params"]
+                         if isinstance(p, DTensor)})
     return {"losses": losses.losses, "collectives": steps.collectives, "step_seconds": steps.seconds,
-            "weights": steps.weights, "muon": type(steps.muon).__name__}
+            "weights": steps.weights, "muon": type(steps.muon).__name__, "placements": placements}

@@ -1,15 +1,21 @@
-"""Hybrid Muon (Muon on the blocks' matrices, AdamW elsewhere) under fsdp2 (ZeRO-3 and ZeRO-2) / HSDP
-against one process.
+"""Hybrid Muon (Muon on the blocks' matrices, AdamW elsewhere) under fsdp2 (ZeRO-3 and ZeRO-2) / HSDP /
+tensor parallel / FSDP2 x TP against one process.
 
 Under FSDP2 the package's Muon (``parallel.muon.ShardedMuon``, issue 41) sends each matrix's
 momentum shards to one owner rank, which runs torch's Newton-Schulz iteration on the whole matrix
 and sends each rank its rows back: one all-to-all each way per bucket, 2 collectives per optimizer
-step here (HSDP: 3, the owners spread over the replicas too) (torch's Muon on the DTensors: 182 on this model, DTensor's redistributions inside every
-matmul). With the iteration in fp32 (``ns_dtype``) the weights after every step and the losses
-equal one process's to fp32 rounding (measured 1.6e-7 on the weights, 4.8e-7 on the losses, as
-AdamW's). In torch's bf16 the same holds for the same gradient (tests/parallel/test_muon_owner.py:
-bitwise), but a data-parallel gradient is summed in another order than one process's, and a bf16
-rounding that flips moves a weight by ~lr * 2^-8: the losses agree to ~1e-4 (measured 6e-5).
+step here (HSDP: 3, the owners spread over the replicas too) (torch's Muon on the DTensors: 182 on
+this model, DTensor's redistributions inside every matmul). Under tensor parallel (tp=2 over
+dp_shard=1: the row-parallel matrices' pieces are ``Shard(1)`` over tp, the column-parallel ones'
+``Shard(0)``) the same two all-to-alls run over the tp group; under dp_shard=2 x tp=2 the pieces
+travel over tp, then over dp_shard, to the owner and back: 4 collectives per step, each matrix
+still orthogonalised once, whole, among the 4 ranks. With the iteration in fp32 (``ns_dtype``) the
+weights after every step and the losses equal one process's to fp32 rounding (measured 1.6e-7 on
+the weights, 4.8e-7 on the losses, as AdamW's; tp2 1.3e-7 and 4.8e-7, dp_shard=2 x tp=2 1.7e-7
+and 4.8e-7). In torch's bf16 the same holds for the same gradient
+(tests/parallel/test_muon_owner.py: bitwise), but a data-parallel gradient is summed in another
+order than one process's, and a bf16 rounding that flips moves a weight by ~lr * 2^-8: the losses
+agree to ~1e-4 (measured 6e-5).
 """
 
 import numpy as np
@@ -19,8 +25,11 @@ import muon_worker
 from dist_utils import in_this_process
 
 # launched by conftest.py
-WORKER, LAUNCH = "muon_worker", {2: ["fsdp2", "fsdp2+fp32", "fsdp2_zero2+fp32", "resume", "reshard"],
-                                 4: ["hsdp2x2+fp32"]}
+WORKER, LAUNCH = "muon_worker", {2: ["fsdp2", "fsdp2+fp32", "fsdp2_zero2+fp32", "tp2+fp32", "resume", "reshard"],
+                                 4: ["hsdp2x2+fp32", "fsdp2tp2x2+fp32"]}
+# what NDParallelStrategy gives the blocks' matrices with tp=2 (dp_shard=1 or 2): row-parallel wo / w2 and
+# column-parallel wq / wk / wv / w1 (FSDP2 over TP's strided rows)
+TP_PLACEMENTS = ["(Shard(dim=0), Shard(dim=1))", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +48,26 @@ def _max_weight_diffs(run: dict, one: dict) -> list[float]:
             for step, ref in zip(run["weights"], one["weights"], strict=True)]
 
 
-@pytest.mark.parametrize(("devices", "run"), [(2, "fsdp2+fp32"), (2, "fsdp2_zero2+fp32"), (4, "hsdp2x2+fp32")])
-def test_fp32_muon_under_fsdp_equals_one_process_at_every_step(launched, single, devices, run):
+@pytest.mark.parametrize(("devices", "run"), [(2, "fsdp2+fp32"), (2, "fsdp2_zero2+fp32"), (4, "hsdp2x2+fp32"),
+                                              (2, "tp2+fp32"), (4, "fsdp2tp2x2+fp32")])
+def test_fp32_muon_under_fsdp_and_tp_equals_one_process_at_every_step(launched, single, devices, run):
     one = single["+fp32"]
     assert len(one["weights"]) == muon_worker.STEPS
     for rank in launched(WORKER, devices)[run]:
         assert rank["muon"] == "ShardedMuon"
         assert max(_max_weight_diffs(rank, one)) <= 1e-5
         assert rank["losses"] == pytest.approx(one["losses"], abs=1e-5)
+        if "tp" in run:
+            assert rank["placements"] == TP_PLACEMENTS
 
 
 @pytest.mark.parametrize(("devices", "run", "per_step"),
-                         [(2, "fsdp2", 2), (2, "fsdp2+fp32", 2), (2, "fsdp2_zero2+fp32", 2), (4, "hsdp2x2+fp32", 3)])
-def test_a_muon_step_under_fsdp_issues_two_collectives_per_bucket(launched, devices, run, per_step):
-    # one bucket (the default): one all-to-all to the owners, one back; under HSDP one more, over the
-    # replica group (each replica orthogonalises its share of the matrices); the AdamW part issues none
+                         [(2, "fsdp2", 2), (2, "fsdp2+fp32", 2), (2, "fsdp2_zero2+fp32", 2), (4, "hsdp2x2+fp32", 3),
+                          (2, "tp2+fp32", 2), (4, "fsdp2tp2x2+fp32", 4)])
+def test_a_muon_step_issues_two_collectives_per_bucket_and_splitting_dimension(launched, devices, run, per_step):
+    # one bucket (the default): one all-to-all to the owners, one back, over each mesh dimension that
+    # splits the matrices (dp_shard, tp or both); under HSDP one more, over the replica group (each
+    # replica orthogonalises its share of the matrices); the AdamW part issues none
     for rank in launched(WORKER, devices)[run]:
         assert rank["collectives"] == [per_step] * muon_worker.STEPS
 
