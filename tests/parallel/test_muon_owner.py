@@ -145,3 +145,21 @@ def test_one_process_equals_torch_muon_and_build_optimizer_picks_it():
 def test_a_vector_is_refused_at_construction():
     with pytest.raises(ValueError, match="2D"):
         ShardedMuon([torch.nn.Parameter(torch.ones(3))], **KW)
+
+
+def test_the_iteration_leaves_the_momentum_alone_without_nesterov():
+    # without Nesterov the update is the momentum buffer itself; an fp32 iteration must not divide it in place
+    gen = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(s, generator=gen) for s in SHAPES[:3]]
+    ref_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    kw = {**KW, "nesterov": False}
+    ref, opt = torch.optim.Muon(ref_params, **kw), ShardedMuon(params, ns_dtype=torch.float32, **kw)
+    for _ in range(2):
+        for p, r in zip(params, ref_params):
+            r.grad = torch.randn(p.shape, generator=gen)
+            p.grad = r.grad.clone()
+        ref.step()
+        opt.step()
+        assert all(torch.equal(opt.state[p]["momentum_buffer"], ref.state[r]["momentum_buffer"])
+                   for p, r in zip(params, ref_params))
