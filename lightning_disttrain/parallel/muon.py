@@ -55,6 +55,7 @@ the class is a ``torch.optim.Muon``, checkpoints (DCP) hold the same keys.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 
@@ -88,6 +89,27 @@ def newton_schulz(update: torch.Tensor, ns_coefficients: tuple[float, float, flo
         gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, gram_update, x, beta=a)
     return x.T if tall else x
+
+
+def newton_schulz_cost(shape: tuple[int, int], ns_steps: int = 5) -> int:
+    """The iteration's work on a matrix of ``shape``, the unit owners are balanced in:
+    min(m, n)^2 x max(m, n) per iteration (its FLOPs are 4x that plus 2 min^3)."""
+    return min(shape) ** 2 * max(shape) * ns_steps
+
+
+def owner_plan(shapes: list[tuple[int, int]], ranks: int, ns_steps: int = 5) -> list[int]:
+    """The owner rank (0..ranks-1) of each matrix: by cost (``newton_schulz_cost``), largest first,
+    to the least loaded rank, ties to the lower index. The busiest rank's load is at most the mean
+    plus the largest matrix's cost; with fewer matrices than ranks some ranks own none. Pure
+    arithmetic (the planner prices the step with it)."""
+    cost = [newton_schulz_cost(s, ns_steps) for s in shapes]
+    heap = [(0, r) for r in range(ranks)]  # (load, rank): the least loaded first, ties to the lower rank
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-cost[i], i)):
+        load, rank = heapq.heappop(heap)
+        owners[i] = rank
+        heapq.heappush(heap, (load + cost[i], rank))
+    return owners
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
@@ -319,18 +341,12 @@ class ShardedMuon(torch.optim.Muon):
                     _apply(p, updates[i], lr, wd, group["adjust_lr_fn"])
 
     def _owners(self, key, params: list, ranks: int, ns_steps: int) -> dict[int, int]:
-        """Each matrix's owner: by cost (min(m, n)^2 * max(m, n) per iteration), largest first, to
-        the least loaded rank; the same on every rank (it depends on shapes and order only)."""
+        """Each matrix's owner (``owner_plan``); the same on every rank (shapes and order only)."""
         key = (key, tuple(id(p) for p in params))
         plan = self._plans.get(key)
         if plan is None:
-            cost = [min(p.shape) ** 2 * max(p.shape) * ns_steps for p in params]
-            load, plan = [0] * ranks, {}
-            for i in sorted(range(len(params)), key=lambda i: (-cost[i], i)):
-                owner = min(range(ranks), key=lambda r: (load[r], r))
-                load[owner] += cost[i]
-                plan[id(params[i])] = owner
-            self._plans[key] = plan
+            owners = owner_plan([tuple(p.shape) for p in params], ranks, ns_steps)
+            plan = self._plans[key] = {id(p): o for p, o in zip(params, owners)}
         return plan
 
     def _buckets(self, items: list) -> list[list]:

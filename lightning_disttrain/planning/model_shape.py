@@ -44,6 +44,14 @@ def config_for(name: str, overrides: dict | None = None) -> GPTConfig:
     raise ValueError(f"unknown model {name!r}; use one of {model_names()} (plus --override field=value)")
 
 
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
+    """FLOPs of Muon's quintic Newton-Schulz on one whole ``rows x cols`` matrix: per iteration on
+    an a x b matrix (a <= b) X X^T (2a^2 b), the Gram polynomial's product (2a^3) and its product
+    with X (2a^2 b)."""
+    a, b = min(rows, cols), max(rows, cols)
+    return float(steps * (4 * a * a * b + 2 * a ** 3))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Parameter counts (allocated, vocabulary padding included) and the shape of one GPT."""
@@ -107,11 +115,10 @@ class ModelShape:
 
     def newton_schulz_flops_of_layer(self, layer: int, steps: int = 5) -> float:
         """FLOPs of Muon's quintic Newton-Schulz on block ``layer``'s whole matrices, one optimizer
-        step: per iteration on an a x b matrix (a <= b) X X^T (2a^2 b), the Gram polynomial's
-        product (2a^3) and its product with X (2a^2 b)."""
+        step (``newton_schulz_flops`` of each)."""
         if not self.layer_matrices:
             return 0.0
-        return steps * sum(4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3 for r, c in self.layer_matrices[layer])
+        return sum(newton_schulz_flops(r, c, steps) for r, c in self.layer_matrices[layer])
 
     @property
     def kv_heads(self) -> int:

@@ -59,13 +59,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_disttrain.parallel.muon import owner_plan
 from lightning_disttrain.peak_flops import CHIPS
 from lightning_disttrain.planning.activations import (
     grouped_gemm_saved,
     routed_assignments,
 )
 from lightning_disttrain.planning.memory import local_params
-from lightning_disttrain.planning.model_shape import ModelShape
+from lightning_disttrain.planning.model_shape import ModelShape, newton_schulz_flops
 from lightning_disttrain.planning.pipeline import bubble as pipeline_bubble
 from lightning_disttrain.planning.pipeline import rank_stages
 from lightning_disttrain.planning.spec import Cluster, Layout, Workload
@@ -239,25 +240,42 @@ def ring_exposed_seconds(shape: ModelShape, cp: int, t: int, micro_batch: int, s
 
 def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, bandwidth: float,
                       replica_bandwidth: float | None = None, tp_bandwidth: float | None = None) -> float:
-    """Muon's optimizer step on the busiest pipeline rank: Newton-Schulz on every whole matrix of
-    its blocks, split over every rank that holds a piece of it (``ShardedMuon``: one owner per
-    matrix among the ``dp_shard x cp`` ranks that shard it, times the ``tp`` ranks that split it,
-    and, under HSDP, the ``dp_replicate`` replicas too), at ``flops_per_s``; its all-to-alls, the
-    pieces to their owners and the results back (bf16), not overlapped: over the shard group 2 x 2
-    B per element of the rank's 1/(n t), (n - 1)/n of it crossing, at ``bandwidth``; over the tp
-    group the same with (t - 1)/t, at ``tp_bandwidth``; under HSDP one over the replica group (this
-    rank's piece of the other replicas' results: 2 B per element of its 1/(n t), (r - 1)/r of it,
-    at ``replica_bandwidth``)."""
+    """Muon's optimizer step on the busiest rank: Newton-Schulz on every whole matrix of the
+    busiest pipeline rank's blocks, each on one owner among every rank that holds a piece of it
+    (``ShardedMuon``: the ``dp_shard x cp`` ranks that shard it, times the ``tp`` ranks that split
+    it, and, under HSDP, the ``dp_replicate`` replicas too), placed as ``ShardedMuon`` places them
+    (``owner_plan``: the busiest owner's FLOPs, at least the largest matrix's, not the mean), at
+    ``flops_per_s``; its all-to-alls, not overlapped, bf16: to the owners and back, over the shard
+    group 2 x 2 B per element of what a rank sends or receives, the larger of its pieces (1/(n t)
+    of every matrix) and the busiest owner's matrices, (n - 1)/n of it crossing, at ``bandwidth``;
+    over the tp group the same with (t - 1)/t, at ``tp_bandwidth``; under HSDP one over the replica
+    group (this rank's piece of the other replicas' results: 2 B per element of its 1/(n t),
+    (r - 1)/r of it, at ``replica_bandwidth``)."""
     ranks = rank_stages(layout.pipeline, layout.pp, shape.n_layer)
     layers = max((r.all_layers for r in ranks), key=lambda ls: sum(shape.newton_schulz_flops_of_layer(i) for i in ls))
-    flops = sum(shape.newton_schulz_flops_of_layer(i) for i in layers)
     n, t, r = layout.dp_shard * layout.cp, layout.tp, layout.dp_replicate
+    flops, owned = busiest_muon_owner(shape, layers, n * t * r)
     piece = sum(shape.muon_params_of_layer(i) for i in layers) / (n * t)  # elements of this rank's pieces
-    seconds = (flops / (n * t * r) / flops_per_s
-               + 2 * 2 * piece * (_ring(n) / bandwidth + _ring(t) / (tp_bandwidth or bandwidth)))
+    volume = max(piece, owned)
+    seconds = (flops / flops_per_s
+               + 2 * 2 * volume * (_ring(n) / bandwidth + _ring(t) / (tp_bandwidth or bandwidth)))
     if r > 1:
         seconds += 2 * piece * _ring(r) / (replica_bandwidth or bandwidth)
     return seconds
+
+
+def busiest_muon_owner(shape: ModelShape, layers, ranks: int) -> tuple[float, int]:
+    """(Newton-Schulz FLOPs, matrix elements) of the busiest of ``ranks`` owners of the Muon
+    matrices of ``layers``, placed by ``parallel.muon.owner_plan`` as ``ShardedMuon`` places them."""
+    shapes = [m for i in layers for m in (shape.layer_matrices[i] if shape.layer_matrices else ())]
+    if not shapes:
+        return 0.0, 0
+    flops, elements = [0.0] * ranks, [0] * ranks
+    for (rows, cols), owner in zip(shapes, owner_plan(shapes, ranks)):
+        flops[owner] += newton_schulz_flops(rows, cols)
+        elements[owner] += rows * cols
+    busiest = max(range(ranks), key=lambda o: flops[o])
+    return flops[busiest], elements[busiest]
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,40 @@ def test_the_muon_step_is_split_over_the_shards_and_the_tensor_parallel_ranks():
     assert hsdp["muon"] < 0.7 * fsdp4
 
 
+@pytest.mark.parametrize("ranks", [1, 3, 8, 64, 1024])
+def test_the_owner_plan_spreads_the_work_within_the_largest_matrix(ranks):
+    from lightning_disttrain.parallel.muon import newton_schulz_cost, owner_plan
+
+    shapes = [m for layer in shape_of(config_for("llama3-8b"), 8192).layer_matrices for m in layer]
+    owners = owner_plan(shapes, ranks)
+    load = [0] * ranks
+    for s, o in zip(shapes, owners):
+        load[o] += newton_schulz_cost(s)
+    largest, total = max(map(newton_schulz_cost, shapes)), sum(map(newton_schulz_cost, shapes))
+    assert sum(load) == total and max(load) <= total / ranks + largest
+    if ranks >= len(shapes):  # 224 matrices: each on a rank of its own, the busiest one holds the largest
+        assert len(set(owners)) == len(shapes) and max(load) == largest
+
+
+def test_at_1024_ranks_the_muon_step_is_priced_on_the_busiest_owner_not_the_mean():
+    # llama3-70b: 560 matrices over 1,024 ranks: the busiest rank orthogonalises a whole MLP matrix
+    # (8192 x 28672), far above the mean (total / 1,024), and receives and sends that whole matrix
+    from lightning_disttrain.planning.model_shape import newton_schulz_flops
+    from lightning_disttrain.planning.throughput import busiest_muon_owner
+
+    shape = shape_of(config_for("llama3-70b"), 8192)
+    layers = range(shape.n_layer)
+    total = sum(shape.newton_schulz_flops_of_layer(i) for i in layers)
+    flops, elements = busiest_muon_owner(shape, layers, 1024)
+    assert (flops, elements) == (newton_schulz_flops(8192, 28672), 8192 * 28672)
+    assert flops > 3 * total / 1024
+    flops64, _ = busiest_muon_owner(shape, layers, 64)
+    assert total / 64 <= flops64 <= total / 64 + newton_schulz_flops(8192, 28672)
+    cluster, workload = Cluster("H100 SXM", 8, 128), Workload(8192, 1024, 1, "bf16", optimizer="muon")
+    muon = step_terms(shape, Layout(dp_shard=128, tp=8, zero=3), workload, cluster).terms["muon"]
+    assert muon > flops / (989e12 * 0.4)  # the busiest owner's iteration, then its exchanges
+
+
 def test_plan_with_muon_prints_and_writes_it(tmp_path, capsys):
     path = tmp_path / "muon.yaml"
     args = ["plan", "--model", "tiny", "--override", "vocab_size=257", "--gpu", "cpu", "--gpu-memory", "1",
