@@ -43,7 +43,7 @@ class Losses(L.Callback):
 
 class OptimizerSteps(L.Callback):
     """Per optimizer step: the collectives and seconds of the Muon and AdamW parts' steps, and the
-    Muon matrices' full weights after it (gathered outside the measured span)."""
+    Muon matrices' full weights after it by name (gathered outside the measured span)."""
 
     def __init__(self):
         self.collectives, self.seconds, self.weights = [], [], []
@@ -51,6 +51,7 @@ class OptimizerSteps(L.Callback):
     def on_train_start(self, trainer, pl_module):
         parts = trainer.optimizers[0].optimizers
         self.muon = parts[0]
+        self.names = {id(p): n for n, p in pl_module.named_parameters()}  # a pipeline stage: its own layers
         parts[0].register_step_pre_hook(self._start)
         parts[-1].register_step_post_hook(self._stop)
 
@@ -63,8 +64,9 @@ class OptimizerSteps(L.Callback):
         self.seconds.append(time.perf_counter() - self.t0)
         self.mode.__exit__(None, None, None)
         self.collectives.append(self.mode.get_total_counts())
-        full = [p.full_tensor() if isinstance(p, DTensor) else p for g in self.muon.param_groups for p in g["params"]]
-        self.weights.append([w.detach().flatten().tolist() for w in full])
+        full = {self.names[id(p)]: p.full_tensor() if isinstance(p, DTensor) else p
+                for g in self.muon.param_groups for p in g["params"]}
+        self.weights.append({n: w.detach().flatten().tolist() for n, w in full.items()})
 
 
 class TorchMuonModule(GPTModule):
@@ -86,6 +88,13 @@ class Fp32MuonModule(GPTModule):
         return out
 
 
+LAYOUTS = {"pp2": dict(pp=2, pp_schedule="1F1B", pp_microbatches=2), "cp2": dict(cp=2, dp_shard=1),
+           "offload": dict(cpu_offload=True), "ep2": dict(ep=2),
+           "pp2fsdp2": dict(pp=2, dp_shard=2, pp_schedule="1F1B", pp_microbatches=2),
+           "cp2dp2": dict(cp=2, dp_shard=2), "ep2fsdp4": dict(dp_shard=4, ep=2)}
+MOE = dict(mlp="swiglu", mlp_hidden=64, moe_num_experts=4, moe_top_k=2, moe_hidden=32, moe_bias_update_speed=0.01)
+"""The other layouts Muon runs under (2 and 4 ranks), by run name."""
+
 RESUME_AT = 3
 """Resume runs: the first fit saves here (and trains on to STEPS); the second resumes from it to STEPS."""
 
@@ -104,8 +113,12 @@ def _loader(trainer: L.Trainer, start: int = 0) -> DataLoader:
 
 def _fit(strategy, devices: int, impl: str = "", ckpt_dir: Path | None = None, ckpt_path=None):
     module_class = {"torch": TorchMuonModule, "fp32": Fp32MuonModule, "": GPTModule}[impl]
+    # untied: a pipeline's first and last stages cannot share the embedding (the same model in every run)
+    overrides = dict(n_layer=2, n_embd=32, n_head=2, block_size=SEQ, tie_embeddings=False)
+    if isinstance(strategy, str) and strategy.startswith("moe_"):  # a mixture of experts: the routed experts' stacks take AdamW, the rest Muon
+        strategy, overrides = strategy[len("moe_"):], {**overrides, **MOE}
     module = module_class("tiny", vocab_size=VOCAB, optimizer="muon", lr=1e-3, muon_lr=0.02,
-                          model_overrides=dict(n_layer=2, n_embd=32, n_head=2, block_size=SEQ))
+                          model_overrides=overrides)
     # built when fit asks for it: a resumed fit (global_step restored by then) starts after the trained steps
     module.train_dataloader = lambda: _loader(module.trainer, module.trainer.global_step)
     losses, steps = Losses(), OptimizerSteps()
@@ -121,6 +134,8 @@ def _fit(strategy, devices: int, impl: str = "", ckpt_dir: Path | None = None, c
         strategy = NDParallelStrategy(tp=2)
     elif strategy == "fsdp2tp2x2":
         strategy = NDParallelStrategy(dp_shard=2, tp=2)
+    elif strategy in LAYOUTS:
+        strategy = NDParallelStrategy(**LAYOUTS[strategy])
     trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS,
                         callbacks=callbacks, logger=False, enable_checkpointing=ckpt_dir is not None,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)

@@ -16,6 +16,11 @@ and 4.8e-7). In torch's bf16 the same holds for the same gradient
 (tests/parallel/test_muon_owner.py: bitwise), but a data-parallel gradient is summed in another
 order than one process's, and a bf16 rounding that flips moves a weight by ~lr * 2^-8: the losses
 agree to ~1e-4 (measured 6e-5).
+
+The other layouts, fp32 (within 1e-5 of one process, weights at every step): pipeline parallel
+(pp2: each stage its layers' matrices; pp2 x dp_shard2), context parallel (cp2: FSDP2 over the
+dp_shard x cp ranks), CPU offload, and a mixture of experts under expert parallel (ep2, and ep2 in
+dp_shard4: Muon on the attention and router matrices, the experts' stacks on AdamW).
 """
 
 import numpy as np
@@ -25,8 +30,9 @@ import muon_worker
 from dist_utils import in_this_process
 
 # launched by conftest.py
-WORKER, LAUNCH = "muon_worker", {2: ["fsdp2", "fsdp2+fp32", "fsdp2_zero2+fp32", "tp2+fp32", "resume", "reshard"],
-                                 4: ["hsdp2x2+fp32", "fsdp2tp2x2+fp32"]}
+WORKER, LAUNCH = "muon_worker", {2: ["fsdp2", "fsdp2+fp32", "fsdp2_zero2+fp32", "tp2+fp32", "resume", "reshard",
+                                     "pp2+fp32", "cp2+fp32", "offload+fp32", "moe_ep2+fp32"],
+                                 4: ["hsdp2x2+fp32", "fsdp2tp2x2+fp32", "pp2fsdp2+fp32", "moe_ep2fsdp4+fp32"]}
 # what NDParallelStrategy gives the blocks' matrices with tp=2 (dp_shard=1 or 2): row-parallel wo / w2 and
 # column-parallel wq / wk / wv / w1 (FSDP2 over TP's strided rows)
 TP_PLACEMENTS = ["(Shard(dim=0), Shard(dim=1))", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
@@ -34,24 +40,29 @@ TP_PLACEMENTS = ["(Shard(dim=0), Shard(dim=1))", "(_StridedShard(dim=0, sf=2), S
 
 @pytest.fixture(scope="module")
 def single():
-    return {impl: in_this_process(muon_worker.fit_run, f"auto{impl}", 1) for impl in ("", "+fp32")}
+    return {run: in_this_process(muon_worker.fit_run, run, 1) for run in ("auto", "auto+fp32", "moe_auto+fp32")}
 
 
 def test_muon_under_fsdp2_matches_one_process(launched, single):
     for rank in launched(WORKER, 2)["fsdp2"]:
         assert len(rank["losses"]) == muon_worker.STEPS
-        assert rank["losses"] == pytest.approx(single[""]["losses"], abs=5e-4)
+        assert rank["losses"] == pytest.approx(single["auto"]["losses"], abs=5e-4)
 
 
 def _max_weight_diffs(run: dict, one: dict) -> list[float]:
-    return [max(float(np.abs(np.subtract(a, b)).max()) for a, b in zip(step, ref))
-            for step, ref in zip(run["weights"], one["weights"], strict=True)]
+    """Per step, the largest difference over the run's Muon matrices (a pipeline stage: its own)
+    from one process's of the same name."""
+    diffs = []
+    for step, ref in zip(run["weights"], one["weights"], strict=True):
+        assert step and set(step) <= set(ref)
+        diffs.append(max(float(np.abs(np.subtract(w, ref[n])).max()) for n, w in step.items()))
+    return diffs
 
 
 @pytest.mark.parametrize(("devices", "run"), [(2, "fsdp2+fp32"), (2, "fsdp2_zero2+fp32"), (4, "hsdp2x2+fp32"),
                                               (2, "tp2+fp32"), (4, "fsdp2tp2x2+fp32")])
 def test_fp32_muon_under_fsdp_and_tp_equals_one_process_at_every_step(launched, single, devices, run):
-    one = single["+fp32"]
+    one = single["auto+fp32"]
     assert len(one["weights"]) == muon_worker.STEPS
     for rank in launched(WORKER, devices)[run]:
         assert rank["muon"] == "ShardedMuon"
@@ -59,6 +70,21 @@ def test_fp32_muon_under_fsdp_and_tp_equals_one_process_at_every_step(launched, 
         assert rank["losses"] == pytest.approx(one["losses"], abs=1e-5)
         if "tp" in run:
             assert rank["placements"] == TP_PLACEMENTS
+
+
+@pytest.mark.parametrize(("devices", "run", "per_step"), [
+    (2, "pp2+fp32", 0),  # each stage its layers' matrices, whole (dp_shard=1): no exchange
+    (2, "cp2+fp32", 2), (2, "offload+fp32", 2),  # FSDP2 over dp_shard x cp; FSDP2 with CPU-offloaded shards
+    (2, "moe_ep2+fp32", 2),  # MoE: attention and router matrices (the experts' stacks take AdamW)
+    (4, "pp2fsdp2+fp32", 2), (4, "moe_ep2fsdp4+fp32", 2)])
+def test_fp32_muon_under_pp_cp_offload_and_ep_equals_one_process_at_every_step(launched, single, devices, run,
+                                                                              per_step):
+    one = single["moe_auto+fp32" if run.startswith("moe_") else "auto+fp32"]
+    for rank in launched(WORKER, devices)[run]:
+        assert rank["muon"] == "ShardedMuon"
+        assert max(_max_weight_diffs(rank, one)) <= 1e-5
+        assert rank["losses"] == pytest.approx(one["losses"], abs=1e-5)
+        assert rank["collectives"] == [per_step] * muon_worker.STEPS
 
 
 @pytest.mark.parametrize(("devices", "run", "per_step"),
@@ -76,7 +102,7 @@ def test_a_muon_step_issues_two_collectives_per_bucket_and_splitting_dimension(l
 def test_muon_state_resumes_from_a_dcp_checkpoint_on_the_same_and_another_layout(launched, single, run):
     # fsdp2 x2 saves after step 3 (Muon momentum Shard(0) over 2 ranks); resumed by fsdp2 x2, or by
     # HSDP over the same ranks (momentum replicated): the steps after equal one uninterrupted process's
-    one, at = single["+fp32"], muon_worker.RESUME_AT
+    one, at = single["auto+fp32"], muon_worker.RESUME_AT
     for rank in launched(WORKER, 2)[run]:
         assert rank["global_step"] == muon_worker.STEPS and rank["muon"] == "ShardedMuon"
         assert rank["losses"] == pytest.approx(one["losses"][at:], abs=1e-5)
