@@ -4,8 +4,9 @@
   instead of foreach's op per step of the update) on CUDA and on CPU alike.
 - Hybrid Muon: ``torch.optim.Muon``'s update on the 2-D hidden matrices of the blocks (under FSDP2 /
   HSDP / tensor parallel ``parallel.muon.ShardedMuon``: each matrix orthogonalised once, whole, on an
-  owner rank), AdamW on the embedding, the head, norms and biases (Muon is defined for hidden
-  matrices only; Keller Jordan's recipe). Lightning's automatic optimization takes one optimizer,
+  owner rank; the routed experts' stacks per expert matrix, where each lives:
+  ``parallel.expert_muon.ExpertMuon``), AdamW on the embedding, the head, norms and biases (Muon
+  is defined for hidden matrices only; Keller Jordan's recipe). Lightning's automatic optimization takes one optimizer,
   so the two travel together as one ``HybridOptimizer``; checkpointing code unpacks ``.optimizers``.
 - Schedules as multipliers of each group's base LR, stepped once per optimizer step: linear
   warmup then cosine down to ``min_lr_ratio``, or warmup-stable-decay (WSD: hold, then linear
@@ -23,6 +24,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_disttrain import _torch_compat as torch_compat
+from lightning_disttrain.parallel.expert_muon import ExpertMuon, expert_layout_problem
 from lightning_disttrain.parallel.muon import ShardedMuon, sharded_layout_problem
 
 OPTIMIZERS = ("adamw", "muon")
@@ -127,7 +129,9 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 6e-4, 
     """The optimizer ``GPTModule`` trains with.
 
     ``hidden_matrices(name, param)`` picks Muon's parameters; by default the 2-D weights inside
-    ``blocks`` (not the embedding, head, norms or biases).
+    ``blocks`` and the routed experts' ``(experts, rows, cols)`` stacks (not the embedding, head,
+    norms or biases). Parts, in order: the matrices' Muon, the experts' (``ExpertMuon``, with a
+    mixture of experts), AdamW.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}")
@@ -136,13 +140,27 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 6e-4, 
         return build_adamw(named, lr, weight_decay, tuple(betas), eps)
     if not hasattr(torch.optim, "Muon"):
         raise ValueError(f"optimizer='muon' needs torch.optim.Muon (torch>=2.9); this is torch {torch.__version__}")
-    is_hidden = hidden_matrices or (lambda n, p: p.dim() == 2 and ".blocks." in f".{n}")
-    hidden = [(n, p) for n, p in named if is_hidden(n, p)]
-    rest = [(n, p) for n, p in named if not is_hidden(n, p)]
-    if not hidden:
-        raise ValueError("optimizer='muon' found no 2-D hidden matrices; pass hidden_matrices= to choose them")
+    is_hidden = hidden_matrices or (lambda n, p: p.dim() in (2, 3) and ".blocks." in f".{n}")
+    chosen = [(n, p) for n, p in named if is_hidden(n, p)]
+    wrong = [(n, tuple(p.shape)) for n, p in chosen if p.dim() not in (2, 3)]
+    if wrong:
+        raise ValueError(f"optimizer='muon': hidden_matrices chose {len(wrong)} parameters that are not matrices (first "
+                         f"{wrong[0][0]!r} of shape {wrong[0][1]}): Muon takes 2-D matrices and (experts, rows, cols) "
+                         f"stacks of them; return False for the others (they train with AdamW)")
     # adjust_lr_fn="match_rms_adamw" scales Muon's update to AdamW's RMS so one weight decay fits both.
     muon_kwargs = dict(lr=muon_lr, weight_decay=weight_decay, momentum=muon_momentum, adjust_lr_fn="match_rms_adamw")
+    experts = [(n, p) for n, p in chosen if p.dim() == 3]
+    refused = {n: why for n, p in experts if (why := expert_layout_problem(p))}
+    if refused:
+        name, why = next(iter(refused.items()))
+        warnings.warn(f"optimizer='muon': the routed experts' stacks train with AdamW ({len(refused)} stacks; first "
+                      f"{name!r}: {why})", stacklevel=2)
+        experts = []
+    hidden = [(n, p) for n, p in chosen if p.dim() == 2]
+    taken = {id(p) for _, p in hidden + experts}
+    rest = [(n, p) for n, p in named if id(p) not in taken]
+    if not hidden:
+        raise ValueError("optimizer='muon' found no 2-D hidden matrices; pass hidden_matrices= to choose them")
     problems = {n: sharded_layout_problem(p) for n, p in hidden}
     unsupported = {n: why for n, why in problems.items() if why}
     if not unsupported:  # plain tensors, FSDP2, HSDP, TP and their products: each matrix once, on its owner rank
@@ -156,6 +174,8 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 6e-4, 
                       "every rank computing every matrix)", stacklevel=2)
         muon = torch.optim.Muon([p for _, p in hidden], **muon_kwargs)
     parts: list[Optimizer] = [muon]
+    if experts:  # each expert's matrix on its own, on the rank that holds it
+        parts.append(ExpertMuon([p for _, p in experts], **muon_kwargs))
     if rest:
         parts.append(build_adamw(rest, lr, weight_decay, tuple(betas), eps))
     return HybridOptimizer(parts)

@@ -10,7 +10,7 @@ fp32 moments) (ZeRO, Rajbhandari et al. 2020, section 3.1). ZeRO stage z over N 
     z=3         16/N              (+ parameters: FSDP2)
 
 so at N=8 ZeRO-1/2/3 hold 2.9x / 4.3x / 8x less than DDP, at N=64 3.8x / 7.2x / 64x. With
-``Workload(optimizer="muon")`` the blocks' 2-D weights keep one fp32 momentum (4 B; 2 in
+``Workload(optimizer="muon")`` the blocks' 2-D weights and the routed experts' stacks keep one fp32 momentum (4 B; 2 in
 ``bf16-pure``) instead of AdamW's two moments, sharded as AdamW's are. Tensor and
 pipeline parallel divide the parameters a rank holds first (blocks by tp and pp; the embedding and
 head by tp and sit on the first / last stage); expert parallel divides the routed experts by ep,
@@ -261,6 +261,7 @@ def _rank_memory(shape: ModelShape, layout: Layout, workload: Workload, cluster:
     if workload.optimizer == "muon":  # one momentum per element of the blocks' matrices, not AdamW's two moments
         muon = sum(shape.muon_params_of_layer(i) for i in rs.all_layers) / layout.tp
         optimizer -= muon * sb.moments / 2 / (shard if z >= 1 else 1)
+        optimizer -= experts * sb.moments / 2 / (expert_shard if z >= 1 else 1)  # the experts' stacks (ExpertMuon)
     if unsharded_accumulation(layout, accumulation, fsdp):
         grads = (dense + experts) * REDUCE_BYTES  # every unit's whole gradient, between micro-batches
 

@@ -115,8 +115,9 @@ def checkpoint_seconds_estimate(shape: ModelShape, workload: Workload, nodes: in
 
 
 def muon_params(shape: ModelShape) -> int:
-    """Elements of every matrix Muon orthogonalises (the blocks' 2-D weights)."""
-    return sum(shape.muon_params_of_layer(i) for i in range(shape.n_layer))
+    """Elements of every matrix Muon orthogonalises: the blocks' 2-D weights and the routed
+    experts' stacks (``ExpertMuon``, each expert's matrix on its own)."""
+    return sum(shape.muon_params_of_layer(i) for i in range(shape.n_layer)) + shape.expert_params
 
 
 SEARCH_NODES = sorted({*range(1, 129), *(2 ** k for k in range(8, 14))})
@@ -173,7 +174,7 @@ def make_plan(shape: ModelShape, workload: Workload, cluster: Cluster, money: Mo
     plan.assumptions.append(f"model state: {sb.total:g} bytes/param at {workload.precision} (weights {sb.weights:g} + "
                             f"gradients {sb.grads:g} + fp32 master {sb.master:g} + AdamW moments {sb.moments:g}), "
                             f"divided over the sharding ranks by ZeRO stage (ZeRO-3: all of it)"
-                            + (f"; with Muon the blocks' matrices ({muon_params(shape) / shape.params:.0%} of the "
+                            + (f"; with Muon the blocks' matrices and experts ({muon_params(shape) / shape.params:.0%} of the "
                                f"parameters) keep one momentum of {sb.moments / 2:g} bytes instead of the moments, "
                                f"and each step adds Newton-Schulz (5 iterations) on every whole matrix, split over the "
                                f"ranks that hold its pieces (tensor parallel's too), and two all-to-alls per "

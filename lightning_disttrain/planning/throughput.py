@@ -244,8 +244,8 @@ def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, ban
     busiest pipeline rank's blocks, each on one owner among every rank that holds a piece of it
     (``ShardedMuon``: the ``dp_shard x cp`` ranks that shard it, times the ``tp`` ranks that split
     it, and, under HSDP, the ``dp_replicate`` replicas too), placed as ``ShardedMuon`` places them
-    (``owner_plan``: the busiest owner's FLOPs, at least the largest matrix's, not the mean), at
-    ``flops_per_s``; its all-to-alls, not overlapped, bf16: to the owners and back, over the shard
+    (``owner_plan``: the busiest owner's FLOPs, at least the largest matrix's, not the mean), and
+    its routed experts' (``expert_newton_schulz_flops``), at ``flops_per_s``; its all-to-alls, not overlapped, bf16: to the owners and back, over the shard
     group 2 x 2 B per element of what a rank sends or receives, the larger of its pieces (1/(n t)
     of every matrix) and the busiest owner's matrices, (n - 1)/n of it crossing, at ``bandwidth``;
     over the tp group the same with (t - 1)/t, at ``tp_bandwidth``; under HSDP one over the replica
@@ -255,6 +255,7 @@ def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, ban
     layers = max((r.all_layers for r in ranks), key=lambda ls: sum(shape.newton_schulz_flops_of_layer(i) for i in ls))
     n, t, r = layout.dp_shard * layout.cp, layout.tp, layout.dp_replicate
     flops, owned = busiest_muon_owner(shape, layers, n * t * r)
+    flops += expert_newton_schulz_flops(shape, layers, layout)
     piece = sum(shape.muon_params_of_layer(i) for i in layers) / (n * t)  # elements of this rank's pieces
     volume = max(piece, owned)
     seconds = (flops / flops_per_s
@@ -262,6 +263,17 @@ def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, ban
     if r > 1:
         seconds += 2 * piece * _ring(r) / (replica_bandwidth or bandwidth)
     return seconds
+
+
+def expert_newton_schulz_flops(shape: ModelShape, layers, layout: Layout) -> float:
+    """Newton-Schulz FLOPs of the routed experts a rank holds in ``layers`` (``ExpertMuon``: each
+    expert's matrices on the rank that holds the expert, no exchange): the busiest rank's experts,
+    ``ceil(ceil(E / ep) / expert_shard)`` per MoE layer (FSDP2 splits a stack along its experts)."""
+    if not shape.is_moe:
+        return 0.0
+    per_expert = newton_schulz_flops(shape.moe_hidden, shape.n_embd) * (3 if shape.mlp == "swiglu" else 2)
+    local = -(-(-(-shape.num_experts // layout.ep)) // max(1, layout.expert_shard))
+    return sum(local * per_expert for i in layers if shape.is_moe_layer(i))
 
 
 def busiest_muon_owner(shape: ModelShape, layers, ranks: int) -> tuple[float, int]:

@@ -33,6 +33,37 @@ def test_the_plan_counts_the_matrices_build_optimizer_gives_muon():
                                        (384, 128))
 
 
+def test_with_experts_the_plan_counts_the_stacks_expert_muon_takes():
+    config = GPTConfig.from_name("tiny-moe", vocab_size=257)
+    shape = shape_of(config, 64)
+    torch.manual_seed(0)
+    parts = build_optimizer(GPT(config), "muon").optimizers
+    taken = sum(p.numel() for part in parts[:-1] for group in part.param_groups for p in group["params"])
+    assert muon_params(shape) == taken and shape.expert_params > 0
+    cluster = Cluster("H100 SXM", 8, 1)
+    layout = Layout(dp_shard=8, ep=2, zero=3)
+    adamw = memory_per_gpu(shape, layout, Workload(64, 8, 1, "bf16"), cluster)
+    muon = memory_per_gpu(shape, layout, Workload(64, 8, 1, "bf16", optimizer="muon"), cluster)
+    half = STATE_BYTES["bf16"].moments / 2
+    dense = sum(shape.muon_params_of_layer(i) for i in range(shape.n_layer))
+    # dense matrices sharded over 8, each rank's experts (ep=2) over the other 4
+    assert adamw.optimizer - muon.optimizer == pytest.approx(dense * half / 8 + shape.expert_params / 2 * half / 4)
+
+
+def test_the_experts_newton_schulz_is_priced_on_the_experts_a_rank_holds():
+    from lightning_disttrain.planning.model_shape import newton_schulz_flops
+    from lightning_disttrain.planning.throughput import expert_newton_schulz_flops
+
+    shape = shape_of(GPTConfig.from_name("tiny-moe", vocab_size=257), 64)  # 4 experts in layers 1-3, gelu (2 matrices)
+    per_expert = 2 * newton_schulz_flops(shape.moe_hidden, shape.n_embd)
+    layers = range(shape.n_layer)
+    assert expert_newton_schulz_flops(shape, layers, Layout(dp_shard=1)) == 3 * 4 * per_expert
+    assert expert_newton_schulz_flops(shape, layers, Layout(dp_shard=2, ep=2, zero=3)) == 3 * 2 * per_expert
+    assert expert_newton_schulz_flops(shape, layers, Layout(dp_shard=8, ep=2, zero=3)) == 3 * 1 * per_expert
+    dense = shape_of(GPTConfig.from_name("tiny", vocab_size=257), 64)
+    assert expert_newton_schulz_flops(dense, range(dense.n_layer), Layout(dp_shard=2)) == 0
+
+
 @pytest.mark.parametrize("rows, cols", [(64, 96), (96, 64), (48, 48)])
 def test_newton_schulz_flops_are_what_the_iteration_runs(rows, cols):
     shape = shape_of(GPTConfig.from_name("tiny", vocab_size=257), 64)

@@ -50,7 +50,7 @@ class OptimizerSteps(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         parts = trainer.optimizers[0].optimizers
-        self.muon = parts[0]
+        self.muon, self.parts = parts[0], parts
         self.names = {id(p): n for n, p in pl_module.named_parameters()}  # a pipeline stage: its own layers
         parts[0].register_step_pre_hook(self._start)
         parts[-1].register_step_post_hook(self._stop)
@@ -64,8 +64,9 @@ class OptimizerSteps(L.Callback):
         self.seconds.append(time.perf_counter() - self.t0)
         self.mode.__exit__(None, None, None)
         self.collectives.append(self.mode.get_total_counts())
+        muon = self.parts[:-1]  # the matrices' Muon (and the experts' stacks'), not AdamW
         full = {self.names[id(p)]: p.full_tensor() if isinstance(p, DTensor) else p
-                for g in self.muon.param_groups for p in g["params"]}
+                for part in muon for g in part.param_groups for p in g["params"]}
         self.weights.append({n: w.detach().flatten().tolist() for n, w in full.items()})
 
 
@@ -80,11 +81,14 @@ class TorchMuonModule(GPTModule):
 
 
 class Fp32MuonModule(GPTModule):
-    """The package's Muon with its Newton-Schulz iteration in fp32 (``ShardedMuon.ns_dtype``)."""
+    """The package's Muon with its Newton-Schulz iteration in fp32 (``ShardedMuon.ns_dtype``, and
+    ``ExpertMuon``'s for a mixture of experts' stacks)."""
 
     def configure_optimizers(self):
         out = super().configure_optimizers()
-        out["optimizer"].optimizers[0].ns_dtype = torch.float32
+        for part in out["optimizer"].optimizers:
+            if hasattr(part, "ns_dtype"):
+                part.ns_dtype = torch.float32
         return out
 
 

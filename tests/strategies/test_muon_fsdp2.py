@@ -20,7 +20,8 @@ agree to ~1e-4 (measured 6e-5).
 The other layouts, fp32 (within 1e-5 of one process, weights at every step): pipeline parallel
 (pp2: each stage its layers' matrices; pp2 x dp_shard2), context parallel (cp2: FSDP2 over the
 dp_shard x cp ranks), CPU offload, and a mixture of experts under expert parallel (ep2, and ep2 in
-dp_shard4: Muon on the attention and router matrices, the experts' stacks on AdamW).
+dp_shard4: the attention and router matrices on ShardedMuon, each routed expert's matrices on
+``ExpertMuon`` where the expert lives).
 """
 
 import numpy as np
@@ -75,7 +76,7 @@ def test_fp32_muon_under_fsdp_and_tp_equals_one_process_at_every_step(launched, 
 @pytest.mark.parametrize(("devices", "run", "per_step"), [
     (2, "pp2+fp32", 0),  # each stage its layers' matrices, whole (dp_shard=1): no exchange
     (2, "cp2+fp32", 2), (2, "offload+fp32", 2),  # FSDP2 over dp_shard x cp; FSDP2 with CPU-offloaded shards
-    (2, "moe_ep2+fp32", 2),  # MoE: attention and router matrices (the experts' stacks take AdamW)
+    (2, "moe_ep2+fp32", 2),  # MoE: attention and router matrices exchanged; the experts' stacks locally
     (4, "pp2fsdp2+fp32", 2), (4, "moe_ep2fsdp4+fp32", 2)])
 def test_fp32_muon_under_pp_cp_offload_and_ep_equals_one_process_at_every_step(launched, single, devices, run,
                                                                               per_step):
