@@ -127,6 +127,11 @@ def _fit(strategy, devices: int, impl: str = "", ckpt_dir: Path | None = None, c
     module.train_dataloader = lambda: _loader(module.trainer, module.trainer.global_step)
     losses, steps = Losses(), OptimizerSteps()
     callbacks = [losses, steps]
+    if isinstance(strategy, str) and strategy.endswith("_float8"):  # torchao float8 Linears (FSDP2: float8 all-gathers)
+        from lightning_disttrain.callbacks import Float8Training
+
+        strategy = strategy[:-len("_float8")]
+        callbacks.append(Float8Training())
     if ckpt_dir is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
