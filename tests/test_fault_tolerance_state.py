@@ -72,6 +72,47 @@ def test_the_parts_of_a_hybrid_optimizer_land_on_this_ranks_mesh(mesh):
     hybrid.step()
 
 
+def test_a_healed_group_gets_muons_state_and_steps_as_the_group_it_came_from(mesh):
+    # Muon's parts (the matrices' ShardedMuon, a mixture of experts' ExpertMuon) and AdamW, their
+    # state sent as a heal sends it (pickled) to a joiner with fresh optimizers: the next step of the
+    # joiner equals the sender's to the bit
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_disttrain.models.gpt import GPT, GPTConfig
+    from lightning_disttrain.optim import build_optimizer
+
+    def build():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.from_name("tiny-moe", vocab_size=64, n_layer=2, n_embd=32, n_head=2, moe_hidden=16))
+        for block in model.blocks.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, build_optimizer(model, "muon")
+
+    def train_step(model, optimizer, seed):
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed))
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    sender, sender_opt = build()
+    for seed in range(2):
+        train_step(sender, sender_opt, seed)
+    assert [type(p).__name__ for p in sender_opt.optimizers] == ["ShardedMuon", "ExpertMuon", "AdamW"]
+    joiner, joiner_opt = build()
+    joiner.load_state_dict(model_state_here(pickle.loads(pickle.dumps(sender.state_dict())), joiner))
+    received = pickle.loads(pickle.dumps(sender_opt.state_dict()))
+    joiner_opt.load_state_dict(optimizer_state_here(received, joiner_opt))
+    for part in joiner_opt.optimizers[:2]:
+        assert all(isinstance(s["momentum_buffer"], DTensor) and s["momentum_buffer"].device_mesh is mesh
+                   for s in part.state.values())
+    train_step(sender, sender_opt, 2)
+    train_step(joiner, joiner_opt, 2)
+    for (name, a), b in zip(sender.state_dict().items(), joiner.state_dict().values()):
+        full = [t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b)]
+        assert torch.equal(*full), name
+
+
 def test_a_heal_waits_for_the_captured_steps_device_work_before_serving_it():
     # torchft copies the captured tensors on a stream of its own: on a GPU the last optimizer
     # step's kernels may still be queued at capture, so _ft_state waits for the event recorded
