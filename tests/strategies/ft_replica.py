@@ -94,8 +94,10 @@ class StepLog(L.Callback):
             f.write(json.dumps(record) + "\n")
 
 
-LAYOUTS = {"fsdp": {}, "tp": {"tp": 2}, "pp": {"pp": 2}}
-"""The layout inside one replica group of 2 ranks (the HSDP reference: 2 replicas of it)."""
+LAYOUTS = {"fsdp": {}, "tp": {"tp": 2}, "pp": {"pp": 2}, "muon": {}}
+"""The layout inside one replica group of 2 ranks (the HSDP reference: 2 replicas of it); ``muon``:
+fsdp's with ``optimizer="muon"`` (its Newton-Schulz in fp32: HSDP's owners differ from the groups'
+and the averaged gradients agree to fp32 rounding, which bf16's iteration could flip)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -149,6 +151,17 @@ def fit(args: argparse.Namespace) -> StepLog:
                         num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=bool(args.save_every),
                         default_root_dir=str(out))
     module = build_module(total_steps=args.steps, untied=args.layout == "pp")
+    if args.layout == "muon":
+        module.hparams.optimizer = "muon"
+        configure = module.configure_optimizers
+
+        def fp32_muon():
+            out = configure()
+            for part in out["optimizer"].optimizers[:-1]:
+                part.ns_dtype = torch.float32
+            return out
+
+        module.configure_optimizers = fp32_muon
     if args.model != "tiny":
         from lightning_disttrain.module import GPTModule
 
@@ -169,7 +182,7 @@ def fit_run(run: str, devices: int) -> dict:
     "hsdp_pp") inside the suite's shared 4-rank launch."""
     from harness import write_indexed_shard
 
-    layout = {"hsdp": "fsdp", "hsdp_tp": "tp", "hsdp_pp": "pp"}[run]
+    layout = {"hsdp": "fsdp", "hsdp_tp": "tp", "hsdp_pp": "pp", "hsdp_muon": "muon"}[run]
     assert devices == 4, (run, devices)
     out = Path(os.environ["LDT_LAUNCH_OUT"])
     data = out / f"ft_data.{os.getpid()}"  # the deterministic indexed shard, one copy per process

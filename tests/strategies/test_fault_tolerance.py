@@ -34,7 +34,7 @@ KILL_TEST_DEVICES = int(os.environ.get("LDT_FT_KILL_DEVICES", "1"))
 # Tensor and pipeline parallel inside the groups too (their references in the shared 4-rank launch):
 # LDT_FT_EXTENDED=1 (about 1 min more on 2 cores; the suite checks FSDP2 inside the groups).
 EXTENDED = os.environ.get("LDT_FT_EXTENDED") == "1"
-WORKER, LAUNCH = "ft_replica", {4: ["hsdp"] + (["hsdp_tp", "hsdp_pp"] if EXTENDED else [])}  # by conftest.py
+WORKER, LAUNCH = "ft_replica", {4: ["hsdp"] + (["hsdp_tp", "hsdp_pp", "hsdp_muon"] if EXTENDED else [])}  # by conftest.py
 from lightning_disttrain.fault_tolerance.lighthouse import LighthouseUnreachable, check_reachable  # noqa: E402
 
 
@@ -184,9 +184,9 @@ def test_survivor_trains_on_and_relaunched_group_heals_bitwise(data, tmp_path):
 # -- no failure: the same run as one HSDP job ------------------------------------------------------
 
 
-# tp and pp inside the groups: an extended run (LDT_FT_EXTENDED=1, about 30 s each), not collected
+# tp, pp and Muon (over fsdp) inside the groups: an extended run (LDT_FT_EXTENDED=1, about 30 s each), not collected
 # otherwise (the suite's time budget), rather than collected and skipped
-_LAYOUTS = ["fsdp", *(["tp", "pp"] if EXTENDED else [])]
+_LAYOUTS = ["fsdp", *(["tp", "pp", "muon"] if EXTENDED else [])]
 
 
 @pytest.mark.slow
@@ -196,7 +196,7 @@ def test_no_failure_equals_hsdp(data, tmp_path, four, layout):
     """2 groups of 2 ranks (dp_shard=2, tp=2 or pp=2 inside) against one job of 2 replicas of the same."""
     from ft_replica import HSDP_STEPS
 
-    steps, hsdp = HSDP_STEPS, four[{"fsdp": "hsdp", "tp": "hsdp_tp", "pp": "hsdp_pp"}[layout]]
+    steps, hsdp = HSDP_STEPS, four[{"fsdp": "hsdp", "tp": "hsdp_tp", "pp": "hsdp_pp", "muon": "hsdp_muon"}[layout]]
     groups = ReplicaGroups(tmp_path, data, "ft", devices=2, steps=steps, lighthouse_min_replicas=2,
                            extra=["--final-state", "--layout", layout])
     codes = groups.run_all(300)
@@ -210,7 +210,7 @@ def test_no_failure_equals_hsdp(data, tmp_path, four, layout):
             assert [r["ft"]["ft/live_replicas"] for r in ft] == [2] * steps
             # averaged over the groups inside the backward, unit by unit (FSDP's all-reduce hook):
             # under fsdp: the tiny preset's 4 blocks and the root's own parameters
-            if layout == "fsdp":
+            if layout in ("fsdp", "muon"):
                 assert [r["ft"]["ft/units_averaged_in_backward"] for r in ft] == [5] * steps
             # The same samples per global data-parallel rank, losses within 1e-6 at every step.
             assert [r["samples"] for r in ft] == [r["samples"] for r in ref]
