@@ -14,7 +14,8 @@ Lightning's ModelParallelStrategy + the mixin + FSDP2). A callback calls
   write competes for the same CPU cores);
 - ``complete``: save start until its manifest exists (async: finished in the background).
 
-The stall ratio is async ``blocked`` / sync ``blocked``.
+The stall ratio is async ``blocked`` / sync ``blocked``. ``--record FILE`` writes both modes' numbers
+as ``cpu_figures.py`` reads them (``record``); ``--plot DIR`` draws ``cpu-checkpoint-stall`` from it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 from bench_common import child_env, parser, random_tokens, report
+from record import add_record_options, provenance, record_path, wants_record, write_record
 
 
 def _strategy(async_save: bool):
@@ -124,28 +126,51 @@ def run_one(args) -> None:
             "total": total, "ckpt_bytes": size}))
 
 
+def mode_numbers(r: dict) -> dict:
+    """One mode's run (``run_one``'s JSON) as the table prints it: the median ordinary step (after
+    step 2, not a save's step or the one after it), the median step after a save, each save's
+    blocking time and their median, the median save start to complete, the fit's total (s)."""
+    saved = {s["step"] for s in r["saves"]}
+    plain = [t for step, t in r["steps"] if step > 2 and step not in saved and step - 1 not in saved]
+    after = [t for step, t in r["steps"] if step - 1 in saved]
+    blocked = [s["blocked"] for s in r["saves"]]
+    return {"step_s": statistics.median(plain), "step_after_save_s": statistics.median(after),
+            "blocked_median_s": statistics.median(blocked), "blocked_s": blocked,
+            "complete_after_s": statistics.median(s["complete"] for s in r["saves"]), "fit_total_s": r["total"]}
+
+
 def summarize(results: dict[str, dict], every: int) -> str:
     lines = []
     for mode, r in results.items():
-        saved = {s["step"] for s in r["saves"]}
-        plain = [t for step, t in r["steps"] if step > 2 and step not in saved and step - 1 not in saved]
-        after = [t for step, t in r["steps"] if step - 1 in saved]
-        blocked = [s["blocked"] for s in r["saves"]]
-        complete = [s["complete"] for s in r["saves"]]
-        r["_blocked"] = statistics.median(blocked)
+        n = mode_numbers(r)
         lines.append(
-            f"{mode:5s}  step {statistics.median(plain):6.3f}s  step after save {statistics.median(after):6.3f}s  "
-            f"save blocks {statistics.median(blocked):6.3f}s (each: {', '.join(f'{b:.3f}' for b in blocked)})  "
-            f"complete after {statistics.median(complete):6.3f}s  fit total {r['total']:6.1f}s")
+            f"{mode:5s}  step {n['step_s']:6.3f}s  step after save {n['step_after_save_s']:6.3f}s  "
+            f"save blocks {n['blocked_median_s']:6.3f}s (each: {', '.join(f'{b:.3f}' for b in n['blocked_s'])})  "
+            f"complete after {n['complete_after_s']:6.3f}s  fit total {r['total']:6.1f}s")
     first = next(iter(results.values()))
     head = (f"checkpoint {first['ckpt_bytes'] / 2**20:.0f} MiB per save, every {every} steps, "
             f"strategy {first['strategy']}")
     out = [head, *lines]
     if {"sync", "async"} <= results.keys():
-        s, a = results["sync"], results["async"]
-        out.append(f"stall ratio (async blocked / sync blocked): {a['_blocked'] / s['_blocked']:.3f}  "
-                   f"({s['_blocked'] / a['_blocked']:.1f}x less blocking)")
+        s, a = (mode_numbers(results[m])["blocked_median_s"] for m in ("sync", "async"))
+        out.append(f"stall ratio (async blocked / sync blocked): {a / s:.3f}  ({s / a:.1f}x less blocking)")
     return "\n".join(out)
+
+
+def record(results: dict[str, dict], args) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-checkpoint-stall`` from: per mode (sync, async) the
+    numbers of ``mode_numbers``, the checkpoint's size, and the stall ratio (async blocked / sync
+    blocked, medians) and its inverse as printed. ``results``: mode -> ``run_one``'s JSON."""
+    first = results["sync"]
+    mib = first["ckpt_bytes"] / 2**20
+    modes = [{"mode": m} | mode_numbers(results[m]) for m in ("sync", "async")]
+    ratio = modes[1]["blocked_median_s"] / modes[0]["blocked_median_s"]
+    return provenance("bench_checkpoint", "bench_checkpoint.py", "2 ranks (Lightning's launcher)") | {
+        "setting": f"{args.config} GPT, vocabulary {args.vocab}, seq {args.seq_len}, batch {args.batch}, a checkpoint "
+                   f"of {mib:.0f} MiB per save (model + AdamW state) every {args.every} steps, {args.steps} steps, "
+                   f"strategy {first['strategy']}",
+        "ckpt_mib": round(mib), "every": args.every, "strategy": first["strategy"], "modes": modes,
+        "stall_ratio": ratio, "less_blocking": round(1 / ratio, 1)}  # as the summary prints it
 
 
 def main() -> None:
@@ -159,6 +184,7 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--json", default=None, help="one mode: where its results go; both: the results of both "
                    "(default: benchmarks/out/checkpoint.json)")
+    add_record_options(p, "cpu-checkpoint-stall")
     args = p.parse_args()
     if args.mode != "both":
         run_one(args)
@@ -173,8 +199,9 @@ def main() -> None:
             subprocess.run(cmd, env=child_env(), check=True, stdout=subprocess.DEVNULL)
             results[mode] = json.loads(out.read_text())
     text = summarize(results, args.every)
-    report("checkpoint", {mode: {k: v for k, v in r.items() if not k.startswith("_")} for mode, r in results.items()},
-           text, out=args.json)
+    report("checkpoint", results, text, out=args.json)
+    if wants_record(args):
+        write_record(record(results, args), record_path(args, "bench_checkpoint.json"), args.plot, args.format)
 
 
 if __name__ == "__main__":

@@ -27,15 +27,12 @@ whole time). Hidden by the overlap, round by round (computed): (cp2_serial - cp2
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 
 from bench_common import HERE, MIB, header, launch, part, parser, report, spread, table
 from cpu_figures import longest_within
+from record import add_record_options, plot_record, provenance
 
 OUT = HERE / "out" / "cp"
 SEQS = {"tiny": [1024, 2048, 4096, 8192], "small": [512, 1024, 2048, 4096]}
@@ -268,8 +265,7 @@ def main() -> None:
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="for every preset (default: SEQS per preset)")
     p.add_argument("--throughput-seq", type=int, default=4096)
     p.add_argument("--budget-mib", type=float, default=None, help="for every preset (default: BUDGET_MIB per preset)")
-    p.add_argument("--plot", default=None, metavar="DIR", help="also draw cpu-cp-memory (benchmarks/cpu_figures.py) "
-                                                                "into DIR from the JSON written; needs matplotlib")
+    add_record_options(p, "cpu-cp-memory", record_flag="")  # the record is --out's JSON
     args = p.parse_args()
     if args.worker == "memory":
         return memory_worker(args)
@@ -291,20 +287,11 @@ def main() -> None:
                                                 "--repeats", str(args.repeats), "--warmup", str(args.warmup)])
         throughput = throughput_summary(json.loads((OUT / "throughput.json").read_text()))
         print(throughput_text(throughput))
-    import torch
-
-    data = {"benchmark": "bench_cp", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "source": "bench_cp.py's own output (this file)",
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-                       f"gloo, one intra-op thread per rank",
-            "command": "python benchmarks/bench_cp.py " + " ".join(sys.argv[1:]),
-            "memory": memory, "throughput": throughput, "memory_rows": rows, "args": vars(args)}
+    data = provenance("bench_cp", "bench_cp.py", "gloo, one intra-op thread per rank") | {
+        "memory": memory, "throughput": throughput, "memory_rows": rows, "args": vars(args)}
     written = report("cp", data, out=args.out, indent=1)
     if args.plot:
-        from cpu_figures import plot_results
-
-        done = plot_results([str(written)], args.plot, command=data["command"])
-        print("wrote", *done["files"].values())
+        plot_record(written, data["command"], args.plot, args.format)
 
 
 if __name__ == "__main__":

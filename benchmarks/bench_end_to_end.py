@@ -38,6 +38,10 @@ split into interpreter start, the import and interpreter shutdown.
 
     flock /tmp/ldt_test.lock python benchmarks/bench_end_to_end.py --repeats 3
     flock /tmp/ldt_test.lock python benchmarks/bench_end_to_end.py --steps 6 --val-every 3 --repeats 1 --import-repeats 1
+
+``--record FILE`` writes the phase medians and totals as ``cpu_figures.py`` reads them (``record``;
+``--append`` adds this run to the record in FILE, as a second panel); ``--plot DIR`` draws
+``cpu-end-to-end`` from that record.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import time
 from pathlib import Path
 
 from bench_common import HERE, OUT_ROOT, REPO, child_env, header, load1, parser, part, report, spread, table, timed_rounds
+from record import add_record_options, provenance, record_path, wants_record, write_record
 
 EVENT = re.compile(r"@@e2e (\S+) ([0-9.]+)")
 SUMMARY = "@@e2e-json "
@@ -394,6 +399,29 @@ def imports_text(imports: dict) -> str:
         + " (by the rows above)", ""])
 
 
+def record(results: dict[str, list[dict]], args) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-end-to-end`` from: this run (``results``: variant -> its runs,
+    as ``run_once`` returns them) as one row of ``runs``: each phase's median per variant (the phase by
+    the first words of its label) and its difference to plain, the median totals, the totals per round
+    and the median steady step."""
+    data = provenance("bench_end_to_end", "bench_end_to_end.py", "1 process per run, OMP_NUM_THREADS "
+                      + os.environ.get("OMP_NUM_THREADS", "unset (torch's default)"))
+    names = list(results)
+    phases = []
+    for key, label in PHASES:
+        m = {n: med(results[n], key) for n in names}
+        phases.append({"phase": label.split(" (")[0], "s": m}
+                      | {f"{n.replace('-', '_')}_minus_plain": m[n] - m["plain"] for n in names if n != "plain"})
+    return data | {
+        "setting": f"the tiny GPT, byte tokenizer on the embedded corpus, {args.steps} optimizer steps of {args.batch} x "
+                   f"{args.seq} tokens, AdamW, validation every {args.val_every} steps ({args.val_batches} batches), one "
+                   f"checkpoint at the end; one process per variant, alternating, {args.repeats} rounds",
+        "runs": [{"run": data["date"].split(" ", 1)[1], "date": data["date"], "command": data["command"],
+                  "variants": names, "phases": phases, "total_s": {n: med(results[n], "total") for n in names},
+                  "totals_per_round": {n: [r["total"] for r in results[n]] for n in names},
+                  "steady_step_ms": {n: 1e3 * med(results[n], "steady_per_step") for n in names}}]}
+
+
 def main() -> None:
     p = parser(__doc__, full_doc=True, steps=(400, "optimizer steps per run"),
                repeats=(3, "alternating rounds (one run of each variant each)"),
@@ -411,6 +439,7 @@ def main() -> None:
                    help="steps of the untimed warm-up round's runs (0: no warm-up round)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     p.add_argument("--work", type=Path, default=OUT_ROOT / "end_to_end", help="run directories, data cache, bytecode")
+    add_record_options(p, "cpu-end-to-end", append="run")
     args = p.parse_args()
     if args.steps % args.val_every:
         p.error(f"--val-every {args.val_every} must divide --steps {args.steps}")
@@ -485,6 +514,9 @@ def main() -> None:
               "1-min load average before each round: " + " ".join(f"{r['load1_before']:.2f}" for r in rounds)]
     report("end_to_end", {"results": results, "rounds": rounds, "ratios": ratios, "imports": imports, "data": data,
                           "args": vars(args), "repo": str(REPO)}, "\n".join(lines), out=args.out)
+    if wants_record(args):
+        write_record(record(results, args), record_path(args, OUT_ROOT / "bench_end_to_end.json"), args.plot,
+                     args.format, append="runs" if args.append else None)
 
 
 if __name__ == "__main__":

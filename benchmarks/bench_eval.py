@@ -16,6 +16,9 @@ steps, with (a) no evals, (b) ``CheckpointEval(mode="inline")``, (c) ``Checkpoin
 ``--pause-limit`` items per task. Recorded: every step's wall time (a checkpoint step includes
 the save and, inline, the evaluation), the fit's total, and for (c) how long ``fit`` waited at
 the end for the last evaluation.
+
+``--record FILE`` (with ``--part all``) writes both parts as ``cpu_figures.py`` reads them
+(``record``); ``--plot DIR`` draws ``cpu-eval`` from that record.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 from bench_common import REPO, header, load1, parser, report, table
+from record import add_record_options, provenance, record_path, wants_record, write_record
 
 EVALS = REPO.parent / "shared" / "evals"
 TASKS = ["heldout", "lambada_openai", "piqa", "arc_easy", "arc_challenge", "winogrande", "copa", "openbook_qa"]
@@ -65,8 +69,7 @@ def part_tasks(limit: int, repeats: int) -> list[dict]:
         rows.append({"task": name, "items": items, "requests": n_req, "seconds": times})
     print(table(["task", "items", "requests", ("s min", ".2f"), ("median", ".2f"), ("max", ".2f"),
                  ("ms/request", ".1f")],
-                [(r["task"], r["items"], r["requests"], min(r["seconds"]), statistics.median(r["seconds"]),
-                  max(r["seconds"]), 1000 * min(r["seconds"]) / max(r["requests"], 1)) for r in rows]), flush=True)
+                [(r["task"], r["items"], r["requests"], *task_numbers(r).values()) for r in rows]), flush=True)
     return rows
 
 
@@ -144,7 +147,10 @@ def main() -> None:
     p.add_argument("--pause-limit", type=int, default=10)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--heldout-windows", type=int, default=8)
+    add_record_options(p, "cpu-eval")
     args = p.parse_args()
+    if wants_record(args) and args.part != "all":
+        p.error("--record and --plot need both parts (--part all)")
     global HELDOUT_WINDOWS
     HELDOUT_WINDOWS = args.heldout_windows
     torch.set_num_threads(1)
@@ -155,6 +161,34 @@ def main() -> None:
     if args.part in ("pause", "all"):
         result["pause"] = part_pause(args.steps, args.every, args.pause_limit)
     report("eval", result, f"# 1-min load average at end: {load1():.2f}")
+    if wants_record(args):
+        write_record(record(result["tasks"], result["pause"], args), record_path(args, "bench_eval.json"), args.plot,
+                     args.format)
+
+
+def task_numbers(r: dict) -> dict:
+    """One row of ``part_tasks`` as its table prints it: s min / median / max over the rounds and
+    1000 x s min / requests."""
+    s = r["seconds"]
+    return {"s_min": min(s), "s_median": statistics.median(s), "s_max": max(s),
+            "ms_per_request": 1000 * min(s) / max(r["requests"], 1)}
+
+
+def record(tasks: list[dict], pause: list[dict], args) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-eval`` from: ``part_tasks``'s rows (the last, ``total``,
+    apart) with ``task_numbers``, and ``part_pause``'s runs: the ordinary step, the checkpoint
+    steps, the median pause over a step, the save-only run's, the fit's total and the wait at its end."""
+    rows = [{"task": r["task"], "items": r["items"], "requests": r["requests"]} | task_numbers(r) for r in tasks]
+    none = statistics.median(t - pause[0]["plain"] for t in pause[0]["saved"])
+    return provenance("bench_eval", "bench_eval.py", "1 thread per process") | {
+        "setting": f"the small GPT with GPT-2's vocabulary, fp32; tasks: {args.limit} items of each shipped set and "
+                   f"{args.heldout_windows} held-out windows of 256 tokens, {args.repeats} rounds; pause: three fit "
+                   f"runs of {args.steps} steps, batch 2 x 128, a sync DCP checkpoint every {args.every} steps, "
+                   f"{args.pause_limit} items per task",
+        "steps": args.steps, "every": args.every, "tasks": rows[:-1], "total": rows[-1],
+        "pause": [{"mode": r["mode"], "step_s": r["plain"], "checkpoint_steps_s": r["saved"],
+                   "pause_median_s": statistics.median(t - r["plain"] for t in r["saved"]), "save_only_pause_s": none,
+                   "fit_total_s": r["total"], "waited_at_end_s": r["end_wait"]} for r in pause]}
 
 
 if __name__ == "__main__":

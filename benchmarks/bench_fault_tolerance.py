@@ -29,7 +29,9 @@ launch); times come from the per-step records (``time.time()`` at each step's en
 
     python benchmarks/bench_fault_tolerance.py --repeats 3
 
-Results: printed; JSON under benchmarks/out/fault_tolerance.json.
+Results: printed; JSON under benchmarks/out/fault_tolerance.json. With every part, ``--record FILE``
+writes them as ``cpu_figures.py`` reads them (``record``); ``--plot DIR`` draws ``cpu-fault-tolerance``
+from that record.
 """
 
 from __future__ import annotations
@@ -43,9 +45,14 @@ import time
 from pathlib import Path
 
 from bench_common import REPO, header, parser, part, report, spread, table
+from record import add_record_options, provenance, record_path, wants_record, write_record
 
 sys.path[:0] = [str(REPO / "tests" / "strategies"), str(REPO / "tests"), str(REPO / "tests" / "checkpoint" / "scripts")]
 from ft_launch import WORKER, ReplicaGroups  # noqa: E402
+
+
+PARTS = ("overhead", "failure", "heal", "restart")
+"""The parts, in order (``--parts``)."""
 
 
 def step_times(records: list[dict], first: int = 5) -> list[float]:
@@ -186,11 +193,62 @@ def lost_work(heal: dict, failure: dict, cost: dict, groups: int = 2) -> list[tu
     return rows
 
 
+def record(result: dict, setting: str) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-fault-tolerance`` from: ``result`` as ``main`` builds it
+    with every part (``overhead``, ``failure``, ``heal``, ``checkpoint``, ``lost_work``) in the
+    section's units, each number to the precision ``main`` prints it: the median step per round of
+    each overhead run (ms) with the quorum wait and all-reduce (min, median, max of the rounds'
+    medians) and the two ratios; kill to the survivor's first step alone per heartbeat timeout; the
+    heal by model; and the work lost per failure (``lost_work``'s, from the unrounded figures) with
+    the inputs it was computed from (the survivor's step it subtracts: the checkpoint run's step)."""
+    o, cost, tiny = result["overhead"], result["checkpoint"], result["heal"]["tiny"]
+
+    def three(xs: list[float]) -> list[float]:
+        return [round(x, 3) for x in (min(xs), statistics.median(xs), max(xs))]
+
+    overhead = []
+    for name in OVERHEAD_VARIANTS:
+        row = {"run": name, "step_ms_rounds": [round(1e3 * x, 1) for x in o[name]["step_s"]]}
+        if o[name]["quorum_wait_ms"]:
+            row |= {"quorum_wait_ms": three(o[name]["quorum_wait_ms"]), "allreduce_ms": three(o[name]["allreduce_ms"])}
+        overhead.append(row)
+    return provenance("bench_fault_tolerance", "bench_fault_tolerance.py",
+                      "2 replica groups x 1 CPU process (gloo), torchft lighthouse in this process") | {
+        "setting": setting, "overhead": overhead,
+        "overhead_ratios": {name: dict(zip(("min", "median", "max"), three(o[key])))
+                            for name, key in (("one group alone / one process", "ratio_1"),
+                                              ("two groups / HSDP", "ratio_2"))},
+        "failure": [{"heartbeat_timeout_ms": int(hb), "command": 1,
+                     "kill_to_step_alone_s": [round(r["kill_to_commit_s"], 3) for r in runs],
+                     "not_committed": [r["uncommitted"] for r in runs],
+                     "step_before_ms": round(1e3 * statistics.median(r["median_step_s"] for r in runs), 1)}
+                    for hb, runs in result["failure"].items()],
+        "heal": [{"model": model, "params_m": round(h["params"] / 1e6, 2),
+                  "survivor_step_ms": round(1e3 * h["survivor_median_step_s"]),
+                  "survivor_heal_step_ms": round(1e3 * h["survivor_heal_step_s"]),
+                  "joiner_load_state_dict_ms": round(1e3 * h["apply_s"]),
+                  "joiner_launch_to_heal_s": round(h["launch_to_heal_step_s"], 1),
+                  "weights": "bitwise the survivor's" if h["weights_equal"] else "NOT the survivor's"}
+                 for model, h in result["heal"].items()],
+        "work_lost_inputs": {"checkpoint_save_s": round(cost["save_s"], 3), "step_ms": round(1e3 * cost["step_s"]),
+                             "restart_to_first_step_s": round(cost["start_to_first_step_s"], 1),
+                             "survivor_wait_s": round(statistics.median(r["kill_to_commit_s"]
+                                                                        for r in result["failure"][1000]), 3),
+                             "survivor_step_s": round(cost["step_s"], 3),
+                             "relaunch_to_heal_s": round(tiny["launch_to_heal_step_s"], 1)},
+        "work_lost": [{"mtbf_h": mtbf, "interval_s": round(interval), "restart_s": round(restart, 1),
+                       "fault_tolerant_s": round(ft, 1), "ratio": round(ratio, 1)}
+                      for mtbf, interval, restart, ft, ratio in result["lost_work"]]}
+
+
 def main() -> None:
     p = parser(__doc__, steps=(40, "steps per overhead run"), repeats=(3, "rounds"))
-    p.add_argument("--parts", default="overhead,failure,heal,restart")
+    p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--models", default="tiny,small,gpt2-124m")
+    add_record_options(p, "cpu-fault-tolerance (every part, the tiny model among --models)")
     args = p.parse_args()
+    if wants_record(args) and (set(args.parts.split(",")) != set(PARTS) or "tiny" not in args.models.split(",")):
+        p.error("--record and --plot need every part (--parts " + ",".join(PARTS) + ") and tiny in --models")
     header("bench_fault_tolerance", "2 replica groups x 1 CPU process (gloo), torchft lighthouse in this process")
     from harness import write_indexed_shard
 
@@ -244,6 +302,11 @@ def main() -> None:
     finally:
         report("fault_tolerance", result)
         shutil.rmtree(work, ignore_errors=True)
+    if wants_record(args):
+        setting = (f"tests/strategies/ft_replica.py: GPTModule tiny unless said, micro-batch 2 x 32 tokens per rank; a "
+                   f"torchft lighthouse, each replica group its own launch of one CPU process (gloo); step times: the "
+                   f"median difference of consecutive step-end timestamps, steps 5 to {args.steps}, rank 0")
+        write_record(record(result, setting), record_path(args, "bench_fault_tolerance.json"), args.plot, args.format)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,9 @@
     python benchmarks/bench_fsdp.py --part memory --device cuda --sizes 1   # GPU path: untested so far
 
 Ranks are started here with env:// variables (no torchrun agent); Lightning sees LOCAL_RANK and
-does not launch again. Results: printed, and JSON under benchmarks/out/.
+does not launch again. Results: printed, and JSON under benchmarks/out/. With one part, ``--record
+FILE`` writes it as ``cpu_figures.py`` reads it (``memory_record``, ``throughput_record``; a second
+throughput run with ``--append`` joins the first as run B), ``--plot DIR`` draws its figure.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
+from datetime import datetime, timezone
 from functools import partial
 
 from bench_common import (
@@ -57,6 +62,7 @@ from bench_common import (
     StepClock,
     dataset,
     header,
+    load1,
     local_bytes,
     memcount_env,
     omp_threads,
@@ -73,6 +79,7 @@ from bench_common import WORLD as _WORLD
 from bench_common import launch as _launch
 from bench_common import level_at as _at
 from bench_common import step_peak as _peak
+from record import add_record_options, provenance, record_path, wants_record, write_record
 
 OUT = OUT_ROOT
 OURS = "ours: GPTModule + FSDP2Strategy"
@@ -180,6 +187,39 @@ def _mem(meter: str, n: int, stage: str, rank: int = 0) -> dict:
     return json.loads((OUT / f"memory_{meter}_{n}_{stage}_rank{rank}.json").read_text())
 
 
+def memory_rows(sizes, stages, meter: str) -> list[dict]:
+    """Per N and stage, rank 0's numbers of the main table in MiB, from ``meter``'s JSON (the last
+    step): the computed state (16 B/param / N) and all-gathered parameters (4 B/param: ZeRO-2 every
+    unit, ZeRO-3 the root and the last block), the known tensors, the levels at setup, after forward,
+    after backward and at rest, the peak and its phase, rest / computed state and peak - rest."""
+    rec = _mem(meter, sizes[0], stages[0])
+    k, P, blocks = rec["step"], rec["numel"], rec["block_numel"]
+    root = P - sum(blocks)
+    rows = []
+    for n in sizes:
+        for s in stages:
+            r = _mem(meter, n, s)
+            state = 16 * P / n
+            rest, (peak, phase) = _at(r, k, "opt"), _peak(r, k)
+            rows.append({"n": n, "stage": s, "computed_state": state / MIB, "known_tensors": sum(r["known"].values()) / MIB,
+                         "setup": r["levels"]["setup"] / MIB, "after_fwd": _at(r, k, "fwd") / MIB,
+                         "after_bwd": _at(r, k, "bwd") / MIB, "rest": rest / MIB, "peak": peak / MIB, "peak_phase": phase,
+                         "rest_over_computed": rest / state, "peak_minus_rest": (peak - rest) / MIB,
+                         "computed_gathered": (4 * P if s == "zero2" else 4 * (root + blocks[-1])) / MIB})
+    return rows
+
+
+def memory_record(rows: list[dict], numel: int, step: int, meter_name: str, args) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-fsdp-memory`` from: ``memory_rows`` of the main meter
+    (``meter_name``) for a GPT of ``numel`` parameters, at step ``step``."""
+    return provenance("bench_fsdp_memory", "bench_fsdp.py", f"{'nccl' if args.device == 'cuda' else 'gloo'}, "
+                      f"{omp_threads()}, meter: {meter_name}") | {
+        "model": f"GPTModule({args.preset!r}, vocab_size={args.vocab}), {numel:,} parameters, under L.Trainer "
+                 f"with FSDP2Strategy(reshard_after_forward=True) (zero3) or False (zero2); fp32, AdamW, clipping 1.0, "
+                 f"batch {args.batch} x {args.seq} tokens per rank, {args.mem_steps} steps, step {step} reported, rank 0",
+        "unit": "MiB, relative to the same meter just before fit", "rows": rows}
+
+
 def report_memory(sizes, stages, meters) -> str:
     def f(b: float) -> str:
         return f"{b / MIB:8.2f}"
@@ -222,19 +262,16 @@ def report_memory(sizes, stages, meters) -> str:
                   (f"{'':>2} {'':5} | {'state':>8} {'tensors':>8} | {'':>8} {'fwd':>8} {'bwd':>8} {'':>8} {'':>8}"
                    f" {'':>3} | {'computed':>8} {'rest':>8} | {'gathered':>8}")]
         spread, drift = [], []
-        for n in sizes:
-            for s in stages:
-                r = _mem(main, n, s)
-                state = 16 * P / n
-                gathered = 4 * P if s == "zero2" else 4 * (root + blocks[-1])
-                rest, (peak, phase) = _at(r, k, "opt"), _peak(r, k)
-                lines.append(f"{n:>2} {s:5} | {f(state)} {f(sum(r['known'].values()))} | {f(r['levels']['setup'])}"
-                             f" {f(_at(r, k, 'fwd'))} {f(_at(r, k, 'bwd'))} {f(rest)} {f(peak)} {phase:>3} |"
-                             f" {rest / state:8.3f} {f(peak - rest)} | {f(gathered)}")
-                rs = [_mem(main, n, s, rank) for rank in range(n)]
-                drift += [abs(_at(x, k, "opt") - _at(x, k - 1, "opt")) for x in rs]
-                spread += [max(_at(x, k, "opt") for x in rs) - min(_at(x, k, "opt") for x in rs),
-                           max(_peak(x, k)[0] for x in rs) - min(_peak(x, k)[0] for x in rs)]
+        for row in memory_rows(sizes, stages, main):
+            n, s = row["n"], row["stage"]
+            lines.append(f"{n:>2} {s:5} | {row['computed_state']:8.2f} {row['known_tensors']:8.2f} | "
+                         f"{row['setup']:8.2f} {row['after_fwd']:8.2f} {row['after_bwd']:8.2f} {row['rest']:8.2f} "
+                         f"{row['peak']:8.2f} {row['peak_phase']:>3} | {row['rest_over_computed']:8.3f} "
+                         f"{row['peak_minus_rest']:8.2f} | {row['computed_gathered']:8.2f}")
+            rs = [_mem(main, n, s, rank) for rank in range(n)]
+            drift += [abs(_at(x, k, "opt") - _at(x, k - 1, "opt")) for x in rs]
+            spread += [max(_at(x, k, "opt") for x in rs) - min(_at(x, k, "opt") for x in rs),
+                       max(_peak(x, k)[0] for x in rs) - min(_peak(x, k)[0] for x in rs)]
         lines.append(f"ranks differ by at most {max(spread) / MIB:.2f} MiB in rest and peak (every N and stage); rest "
                      f"changed from step {k - 1} to step {k} by at most {max(drift) / MIB:.2f} MiB (any rank)")
     if "process" in meters:
@@ -333,6 +370,36 @@ def throughput_worker(args) -> None:
                    {"tokens_per_step": args.batch * args.seq * world, "args": vars(args)}, losses=False)
 
 
+def throughput_record(data: dict, start: str, load_start: float, load_end: float, seconds: float,
+                      run: str = "A") -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-fsdp-throughput`` from: this run (``data``: the workers'
+    ``throughput.json``; started at ``start`` UTC, the load average at its start and end, its wall
+    seconds; labelled ``run``) with each variant's s/step per repeat (the mean over the repeat's timed steps), their
+    min / median / max and tok/s, and against the hand-written loop best-of, ratio of the medians
+    and per round."""
+    a, tok = data["args"], data["tokens_per_step"]
+    per_rep = {k: [sum(v) / len(v) for v in reps] for k, reps in data["steps"].items()}
+    variants = []
+    for k, v in per_rep.items():
+        row = {"variant": k, "s_per_step": v, "min": min(v), "median": statistics.median(v), "max": max(v),
+               "tok_s_best": tok / min(v), "tok_s_median": tok / statistics.median(v)}
+        if k != HAND:
+            rounds = [h / x for h, x in zip(per_rep[HAND], v)]
+            row |= {"vs_hand_best_of": min(per_rep[HAND]) / min(v),
+                    "vs_hand_median": statistics.median(per_rep[HAND]) / statistics.median(v),
+                    "per_round_min": min(rounds), "per_round_median": statistics.median(rounds),
+                    "per_round_max": max(rounds)}
+        variants.append(row)
+    return provenance("bench_fsdp_throughput", "bench_fsdp.py", f"gloo, {omp_threads()}") | {
+        "setting": f"preset {a['preset']}, vocab {a['vocab']}, seq {a['seq']}, batch {a['batch']}/rank on 2 ranks, "
+                   f"{a['steps']} timed steps after {a['warmup']} warm-up, {a['repeats']} interleaved repeats, order "
+                   f"rotated each round; rank 0",
+        "tokens_per_step": tok, "target_vs_hand": 0.95,
+        "runs": [{"run": run, "date": start, "load_start": load_start, "load_end": load_end,
+                  "load_before_round": [r["load1_before"] for r in data["rounds"]], "seconds": seconds,
+                  "variants": variants}]}
+
+
 def report_throughput() -> str:
     data = json.loads((OUT / "throughput.json").read_text())
     a = data["args"]
@@ -362,7 +429,11 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="memory: cuda = the GPU path (untested)")
     p.add_argument("--stage", choices=["zero3", "zero2"], help=argparse.SUPPRESS)
     p.add_argument("--meter", choices=["alloc", "process", "cuda"], help=argparse.SUPPRESS)
+    add_record_options(p, "cpu-fsdp-memory (--part memory) or cpu-fsdp-throughput (--part throughput)",
+                       append="throughput run (labelled with the next letter)")
     args = p.parse_args()
+    if wants_record(args) and args.part == "all":
+        p.error("--record and --plot: one part (--part memory or --part throughput), one record")
     if args.mem_steps < 2:
         p.error("--mem-steps must be >= 2: the last step is reported and compared with the one before")
     OUT.mkdir(parents=True, exist_ok=True)
@@ -390,11 +461,23 @@ def main() -> None:
                                 args.device, "--stage", stage, "--meter", meter],
                                extra_env=env if meter == "process" else {})
             print(report_memory(sizes, stages, meters))
+        if wants_record(args):
+            main = next(m for m in ("process", "cuda", "alloc") if m in meters)
+            rec = _mem(main, sizes[0], stages[0])
+            write_record(memory_record(memory_rows(sizes, stages, main), rec["numel"], rec["step"], rec["meter_name"],
+                                       args), record_path(args, OUT / "bench_fsdp_memory.json"), args.plot, args.format)
     if args.part in ("all", "throughput"):
+        start, load_start, t0 = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", load1(), time.perf_counter()
         with part("throughput"):
             launch(2, "throughput", ["--worker", "throughput", *common, "--steps", str(args.steps), "--warmup",
                                      str(args.warmup), "--repeats", str(args.repeats)])
             print(report_throughput())
+        if wants_record(args):
+            path = record_path(args, OUT / "bench_fsdp_throughput.json")
+            run = chr(ord(json.loads(path.read_text())["runs"][-1]["run"]) + 1) if args.append else "A"
+            data = throughput_record(json.loads((OUT / "throughput.json").read_text()), start, load_start, load1(),
+                                     time.perf_counter() - t0, run)
+            write_record(data, path, args.plot, args.format, append="runs" if args.append else None)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ and spread) and the max/mean expert load per layer along training.
 ``torch.profiler``; the all-to-all time is the self CPU time of the functional all-to-all ops
 and of their waits (gradient clipping off, so no other functional collective runs), against the
 wall time of the profiled steps.
+
+``quality --record FILE`` writes the quality run as ``cpu_figures.py`` reads it (``record``);
+``--plot DIR`` draws ``cpu-moe`` from that record.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ import statistics
 import time
 
 from bench_common import OUT_ROOT, WORLD, launch, parser, random_tokens, report, trainer
+from record import add_record_options, provenance, record_path, wants_record, write_record
 
 OUT = OUT_ROOT / "moe"
 SEQ, BATCH = 128, 16
+BIAS_SPEED = 1e-3
+"""``moe``'s balancing bias update speed."""
 
 
 def corpus(split: str, max_docs: int):
@@ -61,7 +67,7 @@ def quality(steps: int) -> dict:
     configs = {
         "dense": GPTConfig(**base, mlp_hidden=512),
         "moe": GPTConfig(**base, mlp_hidden=512, moe_num_experts=8, moe_top_k=2, moe_hidden=256,
-                         moe_bias_update_speed=1e-3),
+                         moe_bias_update_speed=BIAS_SPEED),
         "moe_nobias": GPTConfig(**base, mlp_hidden=512, moe_num_experts=8, moe_top_k=2, moe_hidden=256,
                                 moe_bias_update_speed=0.0),
     }
@@ -101,6 +107,26 @@ def quality(steps: int) -> dict:
         qs = statistics.quantiles(rates, n=10)
         report["tok_per_s"][name] = {"median": round(statistics.median(rates)), "p10": round(qs[0]), "p90": round(qs[-1])}
     return report
+
+
+def record(result: dict) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-moe`` from: ``quality``'s report per model (parameters,
+    held-out loss, tokens/s median, p10, p90 and the median over dense's) and the max/mean expert
+    load per block at each recorded step, with and without the bias."""
+    names = {"dense": "dense", "moe": f"moe (bias {BIAS_SPEED:.0e})".replace("e-0", "e-"), "moe_nobias": "moe_nobias"}
+    dense = result["tok_per_s"]["dense"]["median"]
+    models = [{"model": names[n], "params": result["params"][n]["total"], "active_params": result["params"][n]["active"],
+               "val_loss": result["val_loss"][n], "tok_per_s_median": t["median"], "tok_per_s_p10": t["p10"],
+               "tok_per_s_p90": t["p90"], "vs_dense": t["median"] / dense} for n, t in result["tok_per_s"].items()]
+    with_bias, without = result["load"]["moe"], result["load"]["moe_nobias"]
+    return provenance("bench_moe_quality", "bench_moe.py", "one thread (the quality run is one process)") | {
+        "setting": f"embedded corpus as bytes, windows of {SEQ}, batch {BATCH} ({result['tokens_per_step']:,} tokens per "
+                   f"step), AdamW lr 3e-3, {result['steps']} steps, fp32, seed 0, plain training loop; 4-block GPTs, "
+                   f"n_embd 128, 4 heads, SwiGLU: dense (MLP width 512), moe (8 experts of width 256, top-2, bias "
+                   f"balancing at speed {BIAS_SPEED:g}), moe_nobias (speed 0)",
+        "steps": result["steps"], "models": models, "experts": 8, "blocks": len(with_bias[0]["max_mean"]),
+        "load_rows": [{"step": a["step"], "with_bias": a["max_mean"], "without_bias": b["max_mean"]}
+                      for a, b in zip(with_bias, without, strict=True)]}
 
 
 def a2a_worker(ep: int) -> None:
@@ -153,11 +179,14 @@ def main() -> None:
     p.add_argument("what", choices=["quality", "a2a", "a2a-worker"])
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--nprocs", type=int, default=1)
+    add_record_options(p, "cpu-moe (quality)")
     args = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     if args.what == "quality":
         result = quality(args.steps)
         report("moe_quality", result, json.dumps(result, indent=1), out=OUT / "moe_quality.json", indent=1)
+        if wants_record(args):
+            write_record(record(result), record_path(args, OUT / "bench_moe_quality.json"), args.plot, args.format)
     elif args.what == "a2a-worker":
         a2a_worker(args.ep)
     else:

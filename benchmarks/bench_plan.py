@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 from bench_common import (
     MIB,
@@ -70,6 +68,7 @@ from bench_common import (
     trainer,
 )
 from bench_common import RANK as _RANK
+from record import add_record_options, provenance, record_path, write_record
 
 OUT = OUT_ROOT / "plan"
 SHAPES = {"tiny": (256, 8), "small": (512, 4), "tiny-llama": (256, 8), "tiny-moe": (256, 8)}
@@ -250,8 +249,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=257, help="257: the byte tokenizer")
     p.add_argument("--mem-steps", type=int, default=3, help="steps; the last one is reported")
     p.add_argument("--report-only", action="store_true", help="print the table from earlier JSON")
-    p.add_argument("--plot", metavar="DIR", help="also draw cpu-plan-vs-measured (benchmarks/cpu_figures.py) "
-                                                 "into DIR; needs matplotlib")
+    add_record_options(p, "cpu-plan-vs-measured")  # the record: by default benchmarks/out/plan/bench_plan.json
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--preset", help=argparse.SUPPRESS)
     p.add_argument("--ac", help=argparse.SUPPRESS)
@@ -279,31 +277,19 @@ def main() -> None:
         (OUT / "report.json").write_text(json.dumps(records, indent=1))
         print(text)
     # The same records as benchmarks/cpu_figures.py reads them (what benchmarks/results/ keeps).
-    recorded = OUT / "bench_plan.json"
-    recorded.write_text(json.dumps(recorded_results(records, args.report_only), indent=1))
-    print(f"# recorded: {recorded}")
-    if args.plot:
-        from cpu_figures import plot_results
-
-        done = plot_results([str(recorded)], args.plot, command=" ".join(["python", *sys.argv]))
-        print(f"# figures: {done['files']}")
+    write_record(recorded_results(records, args.report_only), record_path(args, OUT / "bench_plan.json"), args.plot,
+                 args.format)
 
 
 def recorded_results(records: list[dict], report_only: bool) -> dict:
     """``records`` with what ``cpu_figures.py`` needs to say where they come from."""
-    import platform
     from datetime import datetime, timezone
-
-    import torch
 
     # When the measurements were made (also under --report-only): the newest per-rank record.
     measured = max((f.stat().st_mtime for f in OUT.glob("*_rank*.json")), default=datetime.now().timestamp())
-    return {"benchmark": "bench_plan", "date": f"{datetime.fromtimestamp(measured, timezone.utc):%Y-%m-%d %H:%M} UTC",
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 2 ranks",
-            "command": " ".join(["python", *sys.argv]),
-            "source": f"{OUT / 'report.json'} as this run " + ("re-read (--report-only)" if report_only else "wrote it"),
-            "records": records}
-
+    return provenance("bench_plan", "bench_plan.py", "gloo, 2 ranks", when=datetime.fromtimestamp(measured, timezone.utc),
+                      source=f"{OUT / 'report.json'} as this run " + ("re-read (--report-only)" if report_only
+                                                                      else "wrote it")) | {"records": records}
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """Pipeline parallel on CPU ranks (gloo): the bubble per schedule, activation memory 1F1B vs GPipe,
 and throughput through ``L.Trainer`` against a hand-written ``torch.distributed.pipelining`` loop.
 
-    python benchmarks/bench_pp.py [--part all|bubble|memory|throughput]
+    python benchmarks/bench_pp.py [--part all|bubble|memory|throughput|bubble+memory] [--record FILE] [--plot DIR]
 
 1. Bubble. Each rank times the compute torch's stages run (``forward_one_chunk``,
    ``backward_one_chunk``, ``backward_weight_one_chunk``: wall clock around each call) and the
@@ -25,6 +25,9 @@ and throughput through ``L.Trainer`` against a hand-written ``torch.distributed.
    AdamW, the same LR schedule; and that loop with FSDP2 on each rank's 1-rank data-parallel mesh,
    which is what ours runs at dp=1 (it separates FSDP's cost from the rest of ours). Interleaved
    repeats, order rotated each round; losses compared.
+
+``--record FILE`` writes parts 1 and 2 as ``cpu_figures.py`` reads them (``record``); ``--plot DIR``
+draws ``cpu-pp-bubble-memory`` from that record.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from functools import partial
 
 from bench_common import OUT_ROOT, StepClock, header, memcount_env, parser, part, rounds_report
 from bench_common import launch as _launch
+from record import add_record_options, provenance, record_path, wants_record, write_record
 
 OUT = OUT_ROOT / "pp"
 OURS = "ours: L.Trainer + NDParallelStrategy(pp=2)"
@@ -174,37 +178,76 @@ def theory(schedule: str, v: int, m: int, p: int) -> float | None:
     return None
 
 
-def report_bubble(worlds: list[int]) -> str:
+def bubble_rows(worlds: list[int]) -> list[dict]:
+    """Per pipeline degree and case, from the ranks' JSON: the bubble (median over the timed steps per
+    rank; mean, least and greatest over ranks), the theory, the median step of rank 0, or why the
+    case was not run."""
+    rows = []
+    for p in worlds:
+        per_rank = [json.loads((OUT / f"bubble_p{p}.rank{r}.json").read_text()) for r in range(p)]
+        for i, case in enumerate(per_rank[0]):
+            row = {"p": p, "schedule": case["schedule"], "v": case["v"], "m": case["m"]}
+            if "skipped" in case:
+                rows.append(row | {"measured": None, "ranks_min": None, "ranks_max": None, "theory": None,
+                                   "step_s": None, "not_run": case["skipped"]})
+                continue
+            fr = [statistics.median(1 - s["busy"] / s["wall"] for s in rr[i]["steps"]) for rr in per_rank]
+            rows.append(row | {"measured": statistics.mean(fr), "ranks_min": min(fr), "ranks_max": max(fr),
+                               "theory": theory(case["schedule"], case["v"], case["m"], p),
+                               "step_s": statistics.median(s["wall"] for s in per_rank[0][i]["steps"])})
+    return rows
+
+
+def report_bubble(rows: list[dict]) -> str:
     lines = ["Bubble: idle fraction of the schedule step = 1 - (time in the stages' forward/backward calls) / "
              "(step time); median over the timed steps per rank, then mean (min-max) over ranks",
              f"{'p':>2} {'schedule':16} {'v':>2} {'m':>3} {'measured':>9} {'ranks min-max':>14} {'theory':>7} "
              f"{'step s':>7}"]
-    for p in worlds:
-        per_rank = [json.loads((OUT / f"bubble_p{p}.rank{r}.json").read_text()) for r in range(p)]
-        for i, case in enumerate(per_rank[0]):
-            if "skipped" in case:
-                lines.append(f"{p:>2} {case['schedule']:16} {case['v']:>2} {case['m']:>3}   ({case['skipped']})")
-                continue
-            fr = [statistics.median(1 - s["busy"] / s["wall"] for s in rr[i]["steps"]) for rr in per_rank]
-            wall = statistics.median(s["wall"] for s in per_rank[0][i]["steps"])
-            t = theory(case["schedule"], case["v"], case["m"], p)
-            lines.append(f"{p:>2} {case['schedule']:16} {case['v']:>2} {case['m']:>3} {statistics.mean(fr):9.3f} "
-                         f"{min(fr):6.3f}-{max(fr):.3f} {'' if t is None else f'{t:.3f}':>7} {wall:7.3f}")
+    for r in rows:
+        case = f"{r['p']:>2} {r['schedule']:16} {r['v']:>2} {r['m']:>3}"
+        if r["measured"] is None:
+            lines.append(f"{case}   ({r['not_run']})")
+            continue
+        t = r["theory"]
+        lines.append(f"{case} {r['measured']:9.3f} {r['ranks_min']:6.3f}-{r['ranks_max']:.3f} "
+                     f"{'' if t is None else f'{t:.3f}':>7} {r['step_s']:7.3f}")
     return "\n".join(lines)
 
 
-def report_memory(p: int) -> str:
+def memory_rows(p: int) -> tuple[int, list[dict]]:
+    """m, and per stage from the ranks' JSON: GPipe's and 1F1B's activation memory (MiB; median,
+    least and greatest over the timed steps), their ratio and the expected m / (p - stage)."""
     per_rank = [json.loads((OUT / f"memory_p{p}.rank{r}.json").read_text()) for r in range(p)]
     m = per_rank[0][0]["m"]
-    lines = [f"Activation memory per stage, p={p}, m={m}: malloc peak during one schedule step minus the level "
-             f"before it (MiB); median over the timed steps (min-max)",
-             f"{'stage':>5} {'GPipe':>16} {'1F1B':>16} {'GPipe/1F1B':>10} {'expected m/(p-s)':>16}"]
+    rows = []
     for r in range(p):
         by = {c["schedule"]: [x / 2**20 for x in c["peaks"][-len(c["steps"]):]] for c in per_rank[r]}
         g, o = statistics.median(by["GPipe"]), statistics.median(by["1F1B"])
-        lines.append(f"{r:>5} {g:7.1f} ({min(by['GPipe']):.0f}-{max(by['GPipe']):.0f}) {o:7.1f} "
-                     f"({min(by['1F1B']):.0f}-{max(by['1F1B']):.0f}) {g / o:10.2f} {m / (p - r):16.1f}")
+        rows.append({"stage": r, "gpipe": g, "gpipe_min": min(by["GPipe"]), "gpipe_max": max(by["GPipe"]),
+                     "one_f_one_b": o, "one_f_one_b_min": min(by["1F1B"]), "one_f_one_b_max": max(by["1F1B"]),
+                     "gpipe_over_1f1b": g / o, "expected": m / (p - r)})
+    return m, rows
+
+
+def report_memory(p: int, m: int, rows: list[dict]) -> str:
+    lines = [f"Activation memory per stage, p={p}, m={m}: malloc peak during one schedule step minus the level "
+             f"before it (MiB); median over the timed steps (min-max)",
+             f"{'stage':>5} {'GPipe':>16} {'1F1B':>16} {'GPipe/1F1B':>10} {'expected m/(p-s)':>16}"]
+    for r in rows:
+        lines.append(f"{r['stage']:>5} {r['gpipe']:7.1f} ({r['gpipe_min']:.0f}-{r['gpipe_max']:.0f}) "
+                     f"{r['one_f_one_b']:7.1f} ({r['one_f_one_b_min']:.0f}-{r['one_f_one_b_max']:.0f}) "
+                     f"{r['gpipe_over_1f1b']:10.2f} {r['expected']:16.1f}")
     return "\n".join(lines)
+
+
+def record(bubble: list[dict], p: int, m: int, memory: list[dict], args) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-pp-bubble-memory`` from: ``bubble_rows`` and, at pipeline
+    degree ``p`` with ``m`` micro-batches, ``memory_rows``."""
+    return provenance("bench_pp_bubble_memory", "bench_pp.py", "gloo, one thread per rank") | {
+        "model": f"GPT with {args.layers} layers, n_embd {args.n_embd}, {args.n_head} heads, vocabulary {args.vocab}, "
+                 f"seq {args.seq}, fp32; split_model + PipelineRunner (torch's schedules) without the Trainer, "
+                 f"micro-batches of {args.mb_size} samples",
+        "bubble_rows": bubble, "memory_p": p, "memory_m": m, "memory_rows": memory}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +354,7 @@ def report_throughput() -> str:
 def main() -> None:
     p = parser(__doc__, steps=(10, "throughput: timed steps per repeat"), warmup=(2, "untimed steps first"),
                repeats=(5, "throughput: interleaved rounds"), worker=["bubble", "memory", "throughput"])
-    p.add_argument("--part", choices=["all", "bubble", "memory", "throughput"], default="all")
+    p.add_argument("--part", choices=["all", "bubble", "memory", "throughput", "bubble+memory"], default="all")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=4)
@@ -324,7 +367,10 @@ def main() -> None:
     p.add_argument("--timed", type=int, default=5, help="bubble/memory: timed schedule steps per case")
     p.add_argument("--batch", type=int, default=8, help="throughput: samples per step")
     p.add_argument("--microbatches", type=int, default=4, help="throughput: micro-batches per step")
+    add_record_options(p, "cpu-pp-bubble-memory (bubble and memory parts)")
     args = p.parse_args()
+    if wants_record(args) and args.part not in ("all", "bubble+memory"):
+        p.error("--record and --plot need the bubble and memory parts (--part all or bubble+memory)")
     args.ms = [int(m) for m in str(args.ms).split(",")]
     OUT.mkdir(parents=True, exist_ok=True)
     if args.worker in ("bubble", "memory"):
@@ -336,18 +382,23 @@ def main() -> None:
               "--vocab", str(args.vocab), "--seq", str(args.seq), "--warmup", str(args.warmup)]
     header("bench_pp", "gloo", "one thread per rank")
     sched_args = [*common, "--mb-size", str(args.mb_size), "--timed", str(args.timed)]
-    if args.part in ("all", "bubble"):
+    if args.part in ("all", "bubble", "bubble+memory"):
         with part("bubble"):
             worlds = [int(w) for w in args.worlds.split(",")]
             for world in worlds:
                 launch(world, f"bubble_p{world}",
                        ["--worker", "bubble", *sched_args, "--ms", ",".join(map(str, args.ms))])
-            print(report_bubble(worlds))
-    if args.part in ("all", "memory"):
+            bubble = bubble_rows(worlds)
+            print(report_bubble(bubble))
+    if args.part in ("all", "memory", "bubble+memory"):
         with part("memory"):
             launch(2, "memory_p2", ["--worker", "memory", *sched_args, "--mem-m", str(args.mem_m)],
                    extra_env=memcount_env(OUT))
-            print(report_memory(2))
+            mem_m, memory = memory_rows(2)
+            print(report_memory(2, mem_m, memory))
+    if wants_record(args):
+        write_record(record(bubble, 2, mem_m, memory, args), record_path(args, OUT / "bench_pp_bubble_memory.json"),
+                     args.plot, args.format)
     if args.part in ("all", "throughput"):
         with part("throughput"):
             launch(2, "throughput", ["--worker", "throughput", *common, "--batch", str(args.batch), "--microbatches",

@@ -20,6 +20,10 @@ reference's, bitwise (float.hex). Per trial:
 - every checkpoint with a manifest re-verified (sha256 of every file): a checkpoint that reads as
   complete but fails verification is a corrupted checkpoint accepted (must be 0);
 - resumed losses equal to the reference's from the saved step on.
+
+``--record FILE`` writes the run's outcome counts, signal-to-exit times and the agreement's cost as
+``cpu_figures.py`` reads them (``record``; ``--append`` adds this run to the record in FILE);
+``--plot DIR`` draws ``cpu-preemption`` from that record.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import time
 from pathlib import Path
 
 from bench_common import REPO, child_env, parser, write_json
+from record import add_record_options, provenance, record_path, wants_record, write_record
 
 WORKER = Path(__file__).with_name("preemption_worker.py")
 
@@ -152,29 +157,44 @@ def trial(index: int, rng: random.Random, data: Path, root: Path, steps: int, sp
     return row
 
 
-def summarize(rows: list[dict]) -> None:
+def outcomes(rows: list[dict]) -> dict:
+    """The trials' outcomes (``trial``'s rows) as the summary counts them: the trials saved (every rank
+    saved the agreed step and exited with the code), ended before the signal took effect (exit 0),
+    signalled in the shutdown after the last step (nothing saved, nothing left), preempted and resumed;
+    steps lost, corrupted checkpoints accepted and complete ones re-verified; resumed losses compared
+    with the reference and bitwise equal; and the signal-to-exit seconds of the saved trials."""
     preempted = [r for r in rows if r.get("exit_code") not in (0, None) and not r.get("nothing_left")]
     saved = [r for r in rows if r.get("saved_step") is not None]  # every rank saved and exited with the code
+    return {"saved": saved, "preempted": preempted, "ended_exit_0": sum(r.get("exit_code") == 0 for r in rows),
+            "nothing_left_saved": sum(bool(r.get("nothing_left")) and r.get("saved_step") is not None for r in rows),
+            "shutdown": sum(bool(r.get("nothing_left")) and r.get("saved_step") is None for r in rows),
+            "steps_lost": sum(r.get("lost_steps") or 0 for r in rows),
+            "corrupted_accepted": sum(r.get("corrupted_accepted", 0) for r in rows),
+            "reverified": sum(r.get("complete_ckpts", 0) for r in rows),
+            "resumed_bitwise": sum(bool(r.get("resumed_equal")) for r in preempted),
+            "exit_s": [r["exit_s"] for r in saved]}
+
+
+def summarize(rows: list[dict]) -> None:
+    o = outcomes(rows)
+    preempted, saved = o["preempted"], o["saved"]
     print("\nsummary:")
     print(f"  trials {len(rows)}; preempted and resumed {len(preempted)} (exit codes "
           f"{sorted({r.get('exit_code') for r in rows})}); finished before the signal took effect "
-          f"{sum(r.get('exit_code') == 0 for r in rows)}; relaunch had nothing left: "
-          f"{sum(bool(r.get('nothing_left')) and r.get('saved_step') is not None for r in rows)} saved the last step "
-          f"(signal in the last validation), {sum(bool(r.get('nothing_left')) and r.get('saved_step') is None for r in rows)}"
-          f" signal in the shutdown after the last step")
-    print(f"  steps lost beyond the boundary: total {sum(r.get('lost_steps') or 0 for r in rows)}; signals that "
+          f"{o['ended_exit_0']}; relaunch had nothing left: {o['nothing_left_saved']} saved the last step "
+          f"(signal in the last validation), {o['shutdown']} signal in the shutdown after the last step")
+    print(f"  steps lost beyond the boundary: total {o['steps_lost']}; signals that "
           f"landed in a validation: {sum(bool(r.get('in_validation')) for r in rows)}")
-    print(f"  corrupted checkpoints accepted: {sum(r.get('corrupted_accepted', 0) for r in rows)} "
-          f"(of {sum(r.get('complete_ckpts', 0) for r in rows)} complete checkpoints re-verified)")
-    print(f"  resumed losses bitwise equal to the reference: {sum(bool(r.get('resumed_equal')) for r in preempted)}"
-          f"/{len(preempted)}")
+    print(f"  corrupted checkpoints accepted: {o['corrupted_accepted']} "
+          f"(of {o['reverified']} complete checkpoints re-verified)")
+    print(f"  resumed losses bitwise equal to the reference: {o['resumed_bitwise']}/{len(preempted)}")
     in_val = [r for r in saved if r.get("in_validation")]
     if in_val:
         print(f"  signals in a validation that were saved: {len(in_val)}; saved the step the validation followed: "
               f"{sum(r.get('saved_step') == r.get('interrupted_step') for r in in_val)}; validation batches "
               f"ended after the signal: {sorted(r.get('val_batches_after_signal') for r in in_val)}")
     if saved:
-        exits = [r["exit_s"] for r in saved]
+        exits = o["exit_s"]
         print(f"  signal to exit (every rank saved and exited with the code, {len(saved)} trials): median "
               f"{statistics.median(exits):.1f} s, min {min(exits):.1f} s, max {max(exits):.1f} s")
         for label, group in (("in a validation", [r["exit_s"] for r in in_val]),
@@ -182,6 +202,38 @@ def summarize(rows: list[dict]) -> None:
             if group:
                 print(f"    {label}: median {statistics.median(group):.1f} s, min {min(group):.1f} s, "
                       f"max {max(group):.1f} s ({len(group)})")
+
+
+def record(results: dict, run: str, steps: int) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-preemption`` from: this run (``results``: what ``main``
+    writes to results.json) as one row of ``runs``, labelled ``run``: ``outcomes``, the signal to
+    exit of the saved trials (median, min, max), the reference's median step and the agreement's
+    all_reduce at the step boundary and on aligned ranks (median ms; the latter's max, and its median
+    over the median step in percent), each to the precision ``main`` prints it (0.1 ms, 1 us,
+    0.001%); and the grace period ``"auto"`` resolves to here."""
+    from lightning_disttrain.callbacks.preemption import resolve_grace_period
+
+    rows, o = results["rows"], outcomes(results["rows"])
+    compared = [r for r in o["preempted"] if "resumed_equal" in r]
+    exits = o["exit_s"]
+    aligned_ms = statistics.median(results["aligned_s"]) * 1e3
+    return provenance("bench_preemption", "bench_preemption.py", "gloo, one thread per rank") | {
+        "setting": f"each trial: the tiny GPT on 2 ranks, FSDP2, async DCP saves every 3 steps, PreemptionCheckpoint "
+                   f"with its defaults, {steps} steps; SIGTERM to a random rank at a uniformly random moment of the "
+                   "training span, relaunch with ckpt_path='last', resumed losses compared bitwise with an "
+                   "uninterrupted run's",
+        "runs": [{"run": run, "trials": len(rows), "preempted": len(o["saved"]),
+                  "resumed_bitwise": sum(bool(r["resumed_equal"]) for r in compared), "resumed_compared": len(compared),
+                  "steps_lost": o["steps_lost"], "corrupted_accepted": o["corrupted_accepted"],
+                  "reverified": o["reverified"], "ended_exit_0": o["ended_exit_0"], "shutdown_exit_15": o["shutdown"],
+                  "exit_s": {"median": statistics.median(exits), "min": min(exits), "max": max(exits)} if exits
+                  else {"median": None, "min": None, "max": None},
+                  "median_step_ms": round(results["step_s"] * 1e3, 1),
+                  "agreement_boundary_ms": round(statistics.median(results["agreement_s"]) * 1e6) / 1e3,
+                  "agreement_aligned_ms": round(aligned_ms * 1e3) / 1e3,
+                  "agreement_aligned_max_ms": round(max(results["aligned_s"]) * 1e6) / 1e3,
+                  "agreement_share": round(100 * aligned_ms / (results["step_s"] * 1e3), 3)}],
+        "grace_period_s": resolve_grace_period("auto")}
 
 
 def main() -> None:
@@ -192,6 +244,7 @@ def main() -> None:
                    "that signals also land in validation")
     p.add_argument("--summary-of", default=None, metavar="RESULTS_JSON",
                    help="print the summary of an earlier run's results.json and exit")
+    add_record_options(p, "cpu-preemption", append="run")
     args = p.parse_args()
     if args.summary_of:
         summarize(json.loads(Path(args.summary_of).read_text())["rows"])
@@ -233,8 +286,13 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     summarize(rows)
-    write_json(root / "results.json", {"rows": rows, "agreement_s": agreement, "aligned_s": aligned, "step_s": step_s})
+    results = {"rows": rows, "agreement_s": agreement, "aligned_s": aligned, "step_s": step_s}
+    write_json(root / "results.json", results)
     print(f"  rows: {root / 'results.json'}")
+    if wants_record(args):
+        run = f"seed {args.seed}" + (", --validate" if args.validate else "")
+        write_record(record(results, run, args.steps), record_path(args, root / "bench_preemption.json"), args.plot,
+                     args.format, append="runs" if args.append else None)
 
 
 if __name__ == "__main__":

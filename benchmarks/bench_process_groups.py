@@ -1,6 +1,6 @@
 """Process groups per rank by layout at 1,024 ranks, counted with torch's fake backend (one process).
 
-    python benchmarks/bench_process_groups.py [--world 1024] [--rank -1]
+    python benchmarks/bench_process_groups.py [--world 1024] [--rank -1] [--record FILE] [--plot DIR]
 
 For each layout, ``ParallelDims.build_mesh`` runs as the strategy runs it on rank ``--rank`` (the
 last by default) of a fake default group of ``--world`` ranks, and the meshes the strategy's code
@@ -9,18 +9,24 @@ many process groups this rank joins, over how many distinct rank sets, their siz
 ``new_group`` calls every rank made to build them (torch makes one call per subgroup of a mesh
 dimension, on every rank, so a size-1 dimension costs ``world`` calls). No communication happens:
 the fake backend creates groups without communicators; on GPUs each joined group is an NCCL
-communicator with its own buffers.
+communicator with its own buffers. ``--record FILE`` writes the counts as ``cpu_figures.py`` reads them
+(``record``); ``--plot DIR`` draws ``cpu-process-groups`` from that record.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_disttrain.parallel.mesh import ParallelDims, release_all_meshes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import add_record_options, provenance, record_path, wants_record, write_record  # noqa: E402
 
 LAYOUTS = {
     "FSDP 1024": (dict(), ("fsdp", "dp")),
@@ -36,8 +42,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=1024)
     parser.add_argument("--rank", type=int, default=-1, help="this process's rank (-1: the last)")
+    add_record_options(parser, "cpu-process-groups")
     args = parser.parse_args()
     rank = args.rank % args.world
+    rows = []
     calls = [0]
     real_new_group = dist.new_group
 
@@ -63,8 +71,23 @@ def main() -> None:
         sets = sorted({tuple(dist.get_process_group_ranks(g)) for g in groups}, key=len)
         print(f"{name:28} {len(groups):>6} {len(sets):>9} {calls[0]:>15} {seconds:>8.3f}  "
               f"{[len(s) for s in sets]}")
+        rows.append({"layout": name, "groups_joined": len(groups), "distinct_rank_sets": len(sets),
+                     "sizes": [len(s) for s in sets], "new_group_calls": calls[0], "build_s": seconds})
         release_all_meshes()
         dist.destroy_process_group()
+    if wants_record(args):
+        write_record(record(args.world, rank, rows), record_path(args, "bench_process_groups.json"), args.plot,
+                     args.format)
+
+
+def record(world: int, rank: int, rows: list[dict]) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-process-groups`` from: ``rows`` as ``main`` measures them
+    (per layout: groups joined, distinct rank sets, their sizes, ``new_group`` calls, build seconds),
+    a layout that joins no group noted as using the default group."""
+    return provenance("bench_process_groups", "bench_process_groups.py",
+                      f"torch's fake backend in one process, rank {rank} of {world:,} (counts, not times)") | {
+        "world": world, "rank": rank,
+        "rows": [r | ({"sizes_note": "the default group"} if not r["sizes"] else {}) for r in rows]}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ For each model shape and policy, one training step (forward, cross-entropy, back
 
     python benchmarks/bench_sac.py                       # small and gpt2-124m, batch 1, seq 512
     python benchmarks/bench_sac.py --shapes tiny --seq-len 128 --steps 2
+
+``--record FILE`` writes the table as ``cpu_figures.py`` reads it (``record``); ``--plot DIR`` draws
+``cpu-sac`` from that record.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 from bench_common import header, parser, report, table, timed_rounds
+from record import add_record_options, provenance, record_path, wants_record, write_record
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_disttrain.models.gpt import GPT, GPTConfig
@@ -117,6 +121,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads; 1 keeps timings stable on a machine shared with others")
+    add_record_options(p, "cpu-sac")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -128,6 +133,20 @@ def main() -> None:
                   ("step CPU s", ".3f"), ("vs none", ".2f"), ("step wall s", ".3f")],
                  [(r["shape"], r["policy"], r["saved"] / 2**20, r["saved_ratio"], r["recomputed"] / 1e9, r["step"],
                    r["time_ratio"], r["step_wall"]) for r in rows], markdown=True))
+    if wants_record(args):
+        write_record(record(rows, args.batch, args.seq_len, args.steps, torch.get_num_threads()),
+                     record_path(args, "bench_sac.json"), args.plot, args.format)
+
+
+def record(rows: list[dict], batch: int, seq_len: int, steps: int, threads: int) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-sac`` from: ``measure``'s rows in the table's units
+    (MiB, GFLOP, the best step's CPU and wall seconds, each ratio to the shape's ``none``)."""
+    return provenance("bench_sac", "bench_sac.py", f"{threads} torch thread{'s' if threads > 1 else ''}") | {
+        "setting": f"batch {batch}, seq {seq_len}, fp32, best of {steps} interleaved steps",
+        "rows": [{"shape": r["shape"], "policy": r["policy"], "saved_mib": r["saved"] / 2**20,
+                  "saved_vs_none": r["saved_ratio"], "recomputed_gflop": r["recomputed"] / 1e9,
+                  "step_cpu_s": r["step"], "step_vs_none": r["time_ratio"], "step_wall_s": r["step_wall"]}
+                 for r in rows]}
 
 
 if __name__ == "__main__":

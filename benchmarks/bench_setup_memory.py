@@ -16,6 +16,10 @@ build before issue 38 (every rank builds the whole model, then shards it).
 The parent process only builds ``memcount.so`` and restarts itself with it preloaded; Lightning's
 launcher then starts rank 1 with the same environment. Needs a C compiler (cc) and, for
 gpt2-1558m, ~4 GB per rank (``--empty-init false``: ~10 GB per rank).
+
+``--record FILE`` writes this run's case as ``cpu_figures.py`` reads it (``record``; ``--append``
+adds it to the cases in FILE: section 22's figure is two runs); ``--plot DIR`` draws
+``cpu-setup-memory`` from that record.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "tests" / "strategies")]
 MIB = 2**20
+
+from record import add_record_options, provenance, record_path, wants_record, write_record  # noqa: E402
 
 
 def child(args) -> None:
@@ -66,7 +72,32 @@ def child(args) -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"preset": args.preset, "empty_init": args.empty_init,
                                                    "bound": bound, "ranks": rows}, indent=1))
+        if wants_record(args):
+            write_record(record(args.preset, args.empty_init, facts, rows),
+                         record_path(args, "bench_setup_memory.json"), args.plot, args.format,
+                         append="cases" if args.append else None)
     torch.distributed.barrier()
+
+
+def record(preset: str, empty_init: str, facts: dict, rows: list[dict]) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-setup-memory`` from: this run as one case, in whole MiB as
+    printed: the model's fp32 bytes, its largest parameter, the bound 1.1 x (half + largest), and per
+    peak (tensors, malloc, RSS) and the tensors held after setup the largest over the ranks
+    (``rows``: every rank's row of ``child``)."""
+    build = "eager" if empty_init == "false" else "meta"
+    model, largest = facts["model_bytes"], facts["largest_param_bytes"]
+    case = {"case": f"{preset}, " + ("empty_init=False" if build == "eager" else f"empty_init={empty_init} (meta build)"),
+            "preset": preset, "build": build, "model_fp32": round(model / MIB), "largest_parameter": round(largest / MIB),
+            "bound": round(1.1 * (model / 2 + largest) / MIB)}
+    for key, source in (("tensor_peak", "tensor_peak"), ("held_after_setup", "tensor_after"),
+                        ("malloc_peak", "malloc_peak"), ("rss_peak", "rss_peak")):
+        case[key] = round(max(r[source] for r in rows) / MIB)
+    return provenance("bench_setup_memory", "bench_setup_memory.py", f"{len(rows)} gloo ranks under fsdp2",
+                      argv=[a for a in sys.argv[1:] if a != "--child"]) | {
+        "setting": "what one rank holds from just before configure_model to just after strategy.setup (build, shard, "
+                   "initialise; no step), 2 gloo ranks under fsdp2; bound asked for by issue 38: 1.1 x (half the "
+                   "model's fp32 bytes + its largest parameter); each peak the largest over the ranks",
+        "unit": "MiB per rank", "cases": [case]}
 
 
 def main() -> None:
@@ -75,6 +106,7 @@ def main() -> None:
     parser.add_argument("--empty-init", choices=("auto", "true", "false"), default="auto")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_record_options(parser, "cpu-setup-memory", append="case")
     args = parser.parse_args()
     if args.child:
         return child(args)

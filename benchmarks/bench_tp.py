@@ -44,7 +44,8 @@ layer, against Megatron's formula), and throughput on 2 ranks against a hand-wri
     python benchmarks/bench_tp.py --part throughput --repeats 7
 
 Ranks are started here with env:// variables (no torchrun agent). Results: printed, and JSON under
-benchmarks/out/tp/.
+benchmarks/out/tp/. ``--record FILE`` writes the memory part as ``cpu_figures.py`` reads it
+(``record``); ``--plot DIR`` draws ``cpu-tp-memory`` from that record.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from bench_common import (
 from bench_common import RANK as _RANK
 from bench_common import WORLD as _WORLD
 from bench_common import launch as _launch
+from record import add_record_options, provenance, record_path, wants_record, write_record
 from bench_common import level_at as _at
 from bench_common import step_peak as _peak
 
@@ -339,13 +341,75 @@ def formulas(sh: dict, t: int, sp: bool) -> dict[str, float]:
             "adapted_megatron_sp": 64 * sbh / t + 16 * sb / t + 4 * a * sb / t}
 
 
+def _sp(t: int, sp: bool) -> str:
+    return "-" if t == 1 else "on" if sp else "off"
+
+
+def memory_rows(runs: list[tuple[int, bool]]) -> list[dict]:
+    """Per (t, sequence parallel) run, rank 0's numbers of the memory table in MiB (the last step):
+    the computed state (16 B x the local elements; its sharded and replicated parts), the known
+    tensors, the levels at setup, after forward, after backward and at rest, the peak and its phase,
+    rest / computed state and peak - rest."""
+    k = _mem(*runs[0])["step"]
+    rows = []
+    for t, sp in runs:
+        r = _mem(t, sp)
+        state = 16 * r["computed_local"]
+        rest, (peak, phase) = _at(r, k, "opt"), _peak(r, k)
+        rows.append({"t": t, "sp": _sp(t, sp), "computed_state": state / MIB,
+                     "sharded_part": 16 * r["computed_sharded"] / MIB,
+                     "replicated_part": 16 * r["computed_replicated"] / MIB,
+                     "known_tensors": sum(r["known"].values()) / MIB, "setup": r["levels"]["setup"] / MIB,
+                     "after_fwd": _at(r, k, "fwd") / MIB, "after_bwd": _at(r, k, "bwd") / MIB, "rest": rest / MIB,
+                     "peak": peak / MIB, "peak_phase": phase, "rest_over_computed": rest / state,
+                     "peak_minus_rest": (peak - rest) / MIB})
+    return rows
+
+
+def activation_rows(runs: list[tuple[int, bool]]) -> list[dict]:
+    """Per run, block 1's activations on rank 0 in MiB (medians over the repeats: malloc, saved, new
+    alive, stock), the formulas (Megatron's, adapted, Megatron's SP adapted: None without SP) and
+    the ratios of the activations table."""
+    rows = []
+    for t, sp in runs:
+        r = _mem(t, sp)
+        a = r["acts"]
+        med = {key: statistics.median(a[key]) for key in ("malloc", "saved", "new_alive", "stock")}
+        fm = formulas(r["shape"], t, sp)
+        msp = fm.get("adapted_megatron_sp")
+        rows.append({"t": t, "sp": _sp(t, sp), "block_input": "x".join(str(d) for d in a["input"]["shape"])}
+                    | {key: v / MIB for key, v in med.items()}
+                    | {"megatron": fm["megatron"] / MIB, "adapted": fm["adapted"] / MIB,
+                       "megatron_sp_adapted": msp / MIB if msp else None,
+                       "malloc_over_megatron": med["malloc"] / fm["megatron"],
+                       "malloc_over_adapted": med["malloc"] / fm["adapted"],
+                       "malloc_over_megatron_sp": med["malloc"] / msp if msp else None,
+                       "saved_over_adapted": med["saved"] / fm["adapted"]})
+    return rows
+
+
+def record(memory: list[dict], activations: list[dict], r0: dict) -> dict:
+    """What ``cpu_figures.py`` draws ``cpu-tp-memory`` from: ``memory_rows`` and ``activation_rows``,
+    and the model's shape from rank 0's JSON of the first run (``r0``)."""
+    sh = r0["shape"]
+    return provenance("bench_tp_memory", "bench_tp.py", f"gloo, {omp_threads()}") | {
+        "model": f"GPTModule \"{r0['preset']}\" with n_head={sh['a']}: {sh['L']} layers, h={sh['h']}, a={sh['a']} heads, "
+                 f"MLP {sh['mlp']}, vocab {sh['V']} (padded {sh['Vp']}), {r0['numel']:,} parameters; batch b={sh['b']} "
+                 f"x s={sh['s']} tokens, the same on every TP rank (dp = 1); fp32, AdamW, clip 1.0; L.Trainer with "
+                 "NDParallelStrategy(tp=t, dp_shard=1) on t ranks",
+        "parameters": r0["numel"], "s": sh["s"], "b": sh["b"], "h": sh["h"], "a": sh["a"], "layers": sh["L"],
+        "memory_unit": f"MiB, step {r0['step']} (steps 0..{r0['step']} ran), rank 0, relative to the meter just before fit",
+        "memory_rows": memory,
+        "activation_unit": f"MiB per transformer layer (block 1 of {sh['L']}), forward with grad on its real input, "
+                           f"rank 0, the median of {len(r0['acts']['malloc'])} repeats",
+        "activation_rows": activations}
+
+
 def report_memory(runs: list[tuple[int, bool]]) -> str:
     def f(x: float) -> str:
         return f"{x / MIB:8.2f}"
 
-    def on(t: int, sp: bool) -> str:
-        return "-" if t == 1 else "on" if sp else "off"
-
+    on = _sp
     lines = []
     cs = [_mem(t, sp, r)["check_mib"] for t, sp in runs for r in range(t)]
     lines.append(f"method check ({len(cs)} processes): a 100 MiB tensor measured {min(c['alive'] for c in cs):.2f}-"
@@ -366,13 +430,11 @@ def report_memory(runs: list[tuple[int, bool]]) -> str:
               (f"{'':>2} {'':3} | {'state':>8} {'part':>8} {'part':>8} {'tensors':>8} | {'':>8} {'fwd':>8} {'bwd':>8} "
                f"{'':>8} {'':>8} {'':>3} | {'computed':>8} {'rest':>8}")]
     spread, drift, mism = [], [], []
-    for t, sp in runs:
-        r = _mem(t, sp)
-        state, shd, rep = 16 * r["computed_local"], 16 * r["computed_sharded"], 16 * r["computed_replicated"]
-        rest, (peak, phase) = _at(r, k, "opt"), _peak(r, k)
-        lines.append(f"{t:>2} {on(t, sp):3} | {f(state)} {f(shd)} {f(rep)} {f(sum(r['known'].values()))} |"
-                     f" {f(r['levels']['setup'])} {f(_at(r, k, 'fwd'))} {f(_at(r, k, 'bwd'))} {f(rest)} {f(peak)}"
-                     f" {phase:>3} | {rest / state:8.3f} {f(peak - rest)}")
+    for (t, sp), row in zip(runs, memory_rows(runs)):
+        lines.append(f"{t:>2} {on(t, sp):3} | " + " ".join(f"{row[c]:8.2f}" for c in (
+            "computed_state", "sharded_part", "replicated_part", "known_tensors")) + " | " + " ".join(
+            f"{row[c]:8.2f}" for c in ("setup", "after_fwd", "after_bwd", "rest", "peak"))
+                     + f" {row['peak_phase']:>3} | {row['rest_over_computed']:8.3f} {row['peak_minus_rest']:8.2f}")
         rs = [_mem(t, sp, q) for q in range(t)]
         drift += [abs(_at(x, k, "opt") - _at(x, k - 1, "opt")) for x in rs]
         spread += [max(_at(x, k, "opt") for x in rs) - min(_at(x, k, "opt") for x in rs),
@@ -400,19 +462,15 @@ def report_memory(runs: list[tuple[int, bool]]) -> str:
               (f"{'':>2} {'':3} {'(local shape)':>16} | {'':>7} {'':>7} {'alive':>7} {'':>7} |"
                f" {'formula':>8} {'formula':>8} {'adapted':>8} | {'megatron':>8} {'adapted':>8} {'meg. SP':>8}"
                f" {'adapted':>8}")]
-    for t, sp in runs:
-        r = _mem(t, sp)
-        a = r["acts"]
-        med = {key: statistics.median(a[key]) for key in ("malloc", "saved", "new_alive", "stock")}
-        fm = formulas(r["shape"], t, sp)
-        msp = fm.get("adapted_megatron_sp")
-        shape = "x".join(str(d) for d in a["input"]["shape"])
-        msp_col = f"{msp / MIB:8.3f}" if msp else f"{'-':>8}"
-        msp_ratio = f"{med['malloc'] / msp:8.3f}" if msp else f"{'-':>8}"
-        lines.append(f"{t:>2} {on(t, sp):3} {shape:>16} | {med['malloc'] / MIB:7.3f} {med['saved'] / MIB:7.3f}"
-                     f" {med['new_alive'] / MIB:7.3f} {med['stock'] / MIB:7.3f} | {fm['megatron'] / MIB:8.3f}"
-                     f" {fm['adapted'] / MIB:8.3f} {msp_col} | {med['malloc'] / fm['megatron']:8.3f}"
-                     f" {med['malloc'] / fm['adapted']:8.3f} {msp_ratio} {med['saved'] / fm['adapted']:8.4f}")
+    def opt(x: float | None) -> str:
+        return f"{'-':>8}" if x is None else f"{x:8.3f}"
+
+    for (t, sp), a in zip(runs, activation_rows(runs)):
+        lines.append(f"{t:>2} {on(t, sp):3} {a['block_input']:>16} | " + " ".join(
+            f"{a[c]:7.3f}" for c in ("malloc", "saved", "new_alive", "stock")) + f" | {a['megatron']:8.3f}"
+                     f" {a['adapted']:8.3f} {opt(a['megatron_sp_adapted'])} | {a['malloc_over_megatron']:8.3f}"
+                     f" {a['malloc_over_adapted']:8.3f} {opt(a['malloc_over_megatron_sp'])}"
+                     f" {a['saved_over_adapted']:8.4f}")
     keys = ("malloc", "saved", "new_alive", "stock")
     lines.append("spread: each figure on every rank and in every repeat, against its rank-0 median above:")
     for key in keys:
@@ -549,9 +607,12 @@ def main() -> None:
     p.add_argument("--act-repeats", type=int, default=3, help="memory: repeats of each activation measurement")
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
+    add_record_options(p, "cpu-tp-memory (the memory part)")
     args = p.parse_args()
     if args.mem_steps < 2:
         p.error("--mem-steps must be >= 2: the last step is reported and compared with the one before")
+    if wants_record(args) and args.part == "throughput":
+        p.error("--record and --plot: the memory part's (--part memory or all)")
     OUT.mkdir(parents=True, exist_ok=True)
     if args.worker == "memory":
         return memory_worker(args)
@@ -570,6 +631,9 @@ def main() -> None:
                        ["--worker", "memory", *common, "--batch", str(args.batch), "--mem-steps", str(args.mem_steps),
                         "--act-repeats", str(args.act_repeats), "--tp", str(t), "--sp", str(int(sp))], extra_env=env)
             print(report_memory(runs))
+        if wants_record(args):
+            write_record(record(memory_rows(runs), activation_rows(runs), _mem(*runs[0])),
+                         record_path(args, OUT / "bench_tp_memory.json"), args.plot, args.format)
     if args.part in ("all", "throughput"):
         with part("throughput"):
             launch(2, "throughput", ["--worker", "throughput", *common, "--tp-batch", str(args.tp_batch), "--steps",

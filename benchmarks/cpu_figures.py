@@ -68,7 +68,8 @@ rendered it in a footnote:
 
 The recorded JSONs other than bench_plan's, bench_cp's and bench_muon's (their benchmarks' own output;
 bench_muon's earlier run aside) are transcribed from docs/benchmarks.md; each says which section and
-run in ``source``. A figure
+run in ``source``. Every benchmark behind one now writes its own record in the same schema when run
+with ``--record FILE`` (its provenance from ``record.py``) and draws its figure with ``--plot DIR``. A figure
 whose benchmark is not among the inputs is not written, and said so. As in gpu_report.py (both save
 through ``figure_output.py``): SVG text stays text, no creation date, fixed element ids, so the same
 inputs and command render the same bytes.
@@ -502,7 +503,8 @@ def _draw_fsdp(plt, data: dict[str, Any], note: str, path: str) -> None:
     ax.set_ylabel("memory per rank, MiB (malloc bytes in use, rank 0)")
     ax.set_ylim(0, max(r["peak"] for r in rows) * 1.12)
     ax.legend(fontsize=7, loc="upper right")
-    ax.set_title("FSDP2 memory per rank by ZeRO stage (bench_fsdp.py --part memory): rank 0, step 2", fontsize=10)
+    step = data["model"].split(" reported")[0].rsplit(", ", 1)[-1]  # '..., step k reported, rank 0'
+    ax.set_title(f"FSDP2 memory per rank by ZeRO stage (bench_fsdp.py --part memory): rank 0, {step}", fontsize=10)
     save_with_footnote(plt, fig, path, f"{data['model']}. {note}")
 
 
@@ -599,7 +601,7 @@ def _draw_tp(plt, data: dict[str, Any], note: str, path: str) -> None:
     ax.set_xlabel("tensor-parallel degree t (ranks), sequence parallel on / off")
     ax.set_ylabel("memory per rank, MiB (malloc bytes in use, rank 0)")
     ax.set_ylim(0, max(r["peak"] for r in mem) * 1.12)
-    ax.set_title("memory per rank, step 2", fontsize=9)
+    ax.set_title(f"memory per rank, {data['memory_unit'].split(', ')[1].split(' (')[0]}", fontsize=9)  # 'step k'
     xs = _tp_positions(acts)
     width = 0.3
     for x, r in zip(xs, acts):
@@ -620,11 +622,12 @@ def _draw_tp(plt, data: dict[str, Any], note: str, path: str) -> None:
                             "adapted, SP inputs kept sharded (Megatron's SP)"], fontsize=7, loc="upper right")
     ax_act.set_xticks(xs, [_case_label(r["t"], r["sp"]) for r in acts], fontsize=8)
     ax_act.set_xlabel("tensor-parallel degree t (ranks), sequence parallel on / off")
-    ax_act.set_ylabel("activations per layer, MiB (block 1 of 6, rank 0)")
+    ax_act.set_ylabel(f"activations per layer, MiB (block 1 of {data['layers']}, rank 0)")
     ax_act.set_ylim(0, max(r["malloc"] for r in acts) * 1.45)
     ax_act.set_title("activations per transformer layer against the formulas", fontsize=9)
     fig.suptitle("Tensor parallel: memory per rank and activations per layer (bench_tp.py, fp32, gloo)", fontsize=10)
-    save_with_footnote(plt, fig, path, f"GPT 'small', n_head 8: {data['layers']} layers, h={data['h']}, "
+    preset = data["model"].split('"')[1]  # 'GPTModule "<preset>" with ...'
+    save_with_footnote(plt, fig, path, f"GPT '{preset}', n_head {data['a']}: {data['layers']} layers, h={data['h']}, "
                                        f"a={data['a']}, batch {data['b']} x seq {data['s']}, AdamW. {note}")
 
 
@@ -697,8 +700,8 @@ SAC_POLICIES = {"none": ("C0", "o"), "selective": ("C1", "s"), "selective every_
 def _draw_sac(plt, data: dict[str, Any], note: str, path: str) -> None:
     rows = sac_rows(data)
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 5.2))
-    for ax, shape in zip(axes, shapes):
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 5.2), squeeze=False)  # a run of one shape
+    for ax, shape in zip(axes[0], shapes):
         mine = [r for r in rows if r["shape"] == shape]
         for r in mine:
             color, marker = SAC_POLICIES.get(r["policy"], ("C5", "x"))
@@ -713,7 +716,8 @@ def _draw_sac(plt, data: dict[str, Any], note: str, path: str) -> None:
         ax.set_xlabel("activations saved for backward, MiB (after forward, each storage once)")
         ax.set_title(shape, fontsize=9)
         ax.legend(fontsize=7, loc="lower left")
-    axes[0].set_ylabel("step CPU time, s (best of 3 interleaved steps)")
+    best = data["setting"].split("best of ")[1].split()[0] if "best of " in data["setting"] else "the"
+    axes[0][0].set_ylabel(f"step CPU time, s (best of {best} interleaved steps)")
     fig.suptitle(f"Activation checkpointing: memory kept against step time per policy (bench_sac.py, "
                  f"{data['setting']})", fontsize=10)
     save_with_footnote(plt, fig, path, "In the legend: saved MiB and step CPU time, over the shape's none; GFLOP of "
@@ -795,7 +799,8 @@ def _draw_fsdp_throughput(plt, data: dict[str, Any], note: str, path: str) -> No
         ax.set_xlabel("round (below: 1-min load average before it)")
         ax.set_title(f"run {run}, {next(x['date'] for x in data['runs'] if x['run'] == run)}", fontsize=9)
         ax.legend(fontsize=7, loc="lower left")
-    axes[0].set_ylabel("s/step, mean of one repeat's 15 timed steps (rank 0)")
+    timed = data["setting"].split(" timed steps")[0].rsplit(" ", 1)[-1]  # '..., N timed steps after ...'
+    axes[0].set_ylabel(f"s/step, mean of one repeat's {timed} timed steps (rank 0)")
     ax = axes[-1]
     others = [r for r in rows if not r["is_hand"]]
     for i, r in enumerate(others):
@@ -891,12 +896,14 @@ def _draw_eval(plt, data: dict[str, Any], note: str, path: str) -> None:
             xerr=[[t["s_median"] - t["s_min"] for t in tasks], [t["s_max"] - t["s_median"] for t in tasks]],
             capsize=3, ecolor="0.3")
     for i, t in enumerate(tasks):
-        ax.text(t["s_max"] + 0.4, i, f"{t['s_median']:.2f} s; {t['requests']} requests, "
-                                     f"{t['ms_per_request']:.1f} ms each", va="center", fontsize=7)
+        ax.text(t["s_max"] + min(0.4, 0.03 * max(u["s_max"] for u in tasks)), i,
+                f"{t['s_median']:.2f} s; {t['requests']} requests, {t['ms_per_request']:.1f} ms each", va="center",
+                fontsize=7)
     ax.set_yticks(list(y), [f"{t['task']} ({t['items']} items)" for t in tasks], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, max(t["s_max"] for t in tasks) * 1.75)
-    ax.set_xlabel("seconds per checkpoint, median of 2 rounds (bars: min-max)")
+    rounds = data["setting"].split(" rounds")[0].rsplit(" ", 1)[-1]  # 'tasks: ..., N rounds; pause: ...'
+    ax.set_xlabel(f"seconds per checkpoint, median of {rounds} rounds (bars: min-max)")
     ax.set_title(f"time per task: total {total['s_median']:.2f} s (min {total['s_min']:.2f}, max "
                  f"{total['s_max']:.2f}) for {total['items']} items,\n{total['requests']} requests, "
                  f"{total['ms_per_request']:.1f} ms per request (ms/request: s min / requests)", fontsize=8.5)
@@ -908,14 +915,20 @@ def _draw_eval(plt, data: dict[str, Any], note: str, path: str) -> None:
             x = i + (j - 1) * width
             ax_pause.bar(x, v, width * 0.92, color=color, alpha=0.45 if j == 0 else 1.0)
             ax_pause.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6.5)
-        ax_pause.text(i, max(values) + 2.2, f"pause: median {p['pause_median']:.2f} s\n"
+        top = max(max(q["checkpoint_steps_s"]) for q in pause)
+        ax_pause.text(i, max(values) + min(2.2, 0.1 * top), f"pause: median {p['pause_median']:.2f} s\n"
                                             f"({p['over_save_only']:+.2f} s vs the save alone)",
                       ha="center", va="bottom", fontsize=7)
     ax_pause.set_xticks(range(len(pause)), [p["mode"] for p in pause])
     ax_pause.set_ylim(0, max(max(p["checkpoint_steps_s"]) for p in pause) * 1.35)
     ax_pause.set_ylabel("step wall time, s")
+    # bench_eval.py's record says its steps and checkpoint interval; the one transcribed from section 13 (on a
+    # loaded machine, said in the footnote): 8 steps, a checkpoint every 4
+    steps, every = data.get("steps", 8), data.get("every", 4)
+    saves = [str(k) for k in range(every, steps + 1, every)]
+    saves_text = " and ".join([", ".join(saves[:-1]), saves[-1]] if len(saves) > 1 else saves)
     ax_pause.set_title("per mode: ordinary step (light), the steps ending in a checkpoint\n"
-                       "(steps 4 and 8: the save, and inline the evaluation)", fontsize=8.5)
+                       f"(steps {saves_text}: the save, and inline the evaluation)", fontsize=8.5)
     for i, p in enumerate(pause):
         color = EVAL_MODES.get(p["mode"], "C5")
         ax_total.bar(i, p["training_s"], 0.6, color=color)
@@ -926,13 +939,13 @@ def _draw_eval(plt, data: dict[str, Any], note: str, path: str) -> None:
     ax_total.set_xticks(range(len(pause)), [p["mode"] for p in pause], fontsize=8)
     ax_total.set_ylim(0, max(p["fit_total_s"] for p in pause) * 1.3)
     ax_total.set_ylabel("fit total, s")
-    ax_total.set_title("the fit (8 steps)", fontsize=8.5)
+    ax_total.set_title(f"the fit ({steps} steps)", fontsize=8.5)
     fig.suptitle("Checkpoint evals: time per task, and the training pause inline vs in a separate process "
                  "(bench_eval.py, small GPT, 1 thread)", fontsize=10)
     save_with_footnote(plt, fig, path, "Measured: the times (ms per request as bench_eval.py prints it); computed "
                                        "here: the pause (checkpoint step - ordinary step, median, as bench_eval.py "
-                                       "does) and its difference to the save alone. Loaded machine (1-min load "
-                                       "2.8-3.7). " + note)
+                                       "does) and its difference to the save alone. "
+                       + ("Loaded machine (1-min load 2.8-3.7). " if "steps" not in data else "") + note)
 
 
 def _draw_preemption(plt, data: dict[str, Any], note: str, path: str) -> None:
@@ -955,12 +968,14 @@ def _draw_preemption(plt, data: dict[str, Any], note: str, path: str) -> None:
                                                              else f" (max {e['max']:.1f}; min not given)"),
                 va="center", fontsize=7.5)
     ax.axvline(data["grace_period_s"], color="C3", linestyle="--", linewidth=1)
+    docs = any("section" in r for r in rows)  # transcribed from docs/benchmarks.md: each run names its section
     ax.text(data["grace_period_s"] - 0.2, len(rows) - 0.45, f"grace_period_s=\"auto\" = {data['grace_period_s']} s\n"
-            "(15a's new callback)", ha="right", va="bottom", fontsize=7, color="C3")
-    ax.set_yticks(range(len(rows)), [f"{r['run']}\nsection {r['section']}, median step {r['median_step_ms']} ms"
-                                     for r in rows], fontsize=7.5)
+            + ("(15a's new callback)" if docs else "(PreemptionCheckpoint's default)"), ha="right", va="bottom",
+            fontsize=7, color="C3")
+    ax.set_yticks(range(len(rows)), [f"{r['run']}\n" + (f"section {r['section']}, " if "section" in r else "")
+                                     + f"median step {r['median_step_ms']} ms" for r in rows], fontsize=7.5)
     ax.set_ylim(len(rows) - 0.4, -0.7)
-    ax.set_xlim(0, max(r["exit_s"]["max"] for r in rows) * 1.28)
+    ax.set_xlim(0, max(max(r["exit_s"]["max"] for r in rows) * 1.28, data["grace_period_s"] * 1.1))
     ax.set_xlabel("SIGTERM to the exit of every process, s (saved trials: median, min-max)")
     ax.set_title("signal to exit: finishing the step, the async save in flight, the synchronous save, teardown",
                  fontsize=8.5)
@@ -988,9 +1003,9 @@ def _draw_preemption(plt, data: dict[str, Any], note: str, path: str) -> None:
                      "the same all_reduce on aligned ranks,\nmedian (dash: max)"], fontsize=7, loc="upper left")
     fig.suptitle("Preemption: SIGTERM to a random rank at a random moment, exit time and cost of the agreement "
                  "(bench_preemption.py, tiny GPT, 2 gloo ranks)", fontsize=10)
+    load = "The runs differ in machine load (median step 57-583 ms): compare within a section. " if docs else ""
     save_with_footnote(plt, fig, path, "Measured: every time drawn; computed here: the aligned all_reduce over the "
-                                       "median step. The runs differ in machine load (median step 57-583 ms): compare "
-                                       "within a section. " + note, right=1.0)
+                                       "median step. " + load + note, right=1.0)
 
 
 E2E_PHASES = {"interpreter start": "0.75", "imports": "C1", "CLI + Trainer setup": "C3", "data preparation": "0.6",
@@ -1029,7 +1044,9 @@ def _draw_end_to_end(plt, data: dict[str, Any], note: str, path: str) -> None:
     ax.set_yticks(ys, labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, max(t for r in runs for t in r["total_s"].values()) * 1.3)
-    ax.set_xlabel("seconds, median of 3 runs per phase (the phases' medians need not add up to the median total)")
+    rounds = len(next((r["totals_per_round"]["plain"] for r in data["runs"] if "totals_per_round" in r), [0] * 3))
+    ax.set_xlabel(f"seconds, median of {rounds} runs per phase (the phases' medians need not add up to the median "
+                  "total)")
     ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4)
     ax.set_title("where the time goes, phase by phase", fontsize=9)
     series = []
@@ -1050,12 +1067,14 @@ def _draw_end_to_end(plt, data: dict[str, Any], note: str, path: str) -> None:
     ax_diff.set_xlabel("difference to plain, s (median phase - plain's median phase)")
     ax_diff.legend(fontsize=7, loc="lower right")
     ax_diff.set_title("the gap to the plain PyTorch script, per phase", fontsize=9)
-    fig.suptitle("End to end: the tiny GPT, 400 steps, plain PyTorch script vs lightning-disttrain fit "
-                 "(bench_end_to_end.py, 1 process, 2 threads)", fontsize=10)
-    save_with_footnote(plt, fig, path, "07:30: before one-process runs skipped FSDP2 (fit = FSDP2 on a one-rank mesh); "
-                                       "16:13: after that and the loggers-only logging, with lightning, a hand-written "
-                                       "L.Trainer script, and no rows for interpreter start, data preparation and the "
-                                       "first step. Measured: the phase and total medians; computed here: the "
+    docs = any("note" in r for r in data["runs"])  # transcribed from section 18: its two runs, each with a note
+    steps = data["setting"].split(" optimizer steps")[0].rsplit(" ", 1)[-1]
+    fig.suptitle(f"End to end: the tiny GPT, {steps} steps, plain PyTorch script vs lightning-disttrain fit "
+                 f"(bench_end_to_end.py, 1 process{', 2 threads' if docs else ' per run'})", fontsize=10)
+    runs_note = ("07:30: before one-process runs skipped FSDP2 (fit = FSDP2 on a one-rank mesh); 16:13: after that and "
+                 "the loggers-only logging, with lightning, a hand-written L.Trainer script, and no rows for interpreter "
+                 "start, data preparation and the first step. ") if docs else ""
+    save_with_footnote(plt, fig, path, runs_note + "Measured: the phase and total medians; computed here: the "
                                        "differences and ratios (the section's headline ratios are round by round). "
                        + note)
 
@@ -1071,7 +1090,7 @@ def _draw_fault_tolerance(plt, data: dict[str, Any], note: str, path: str) -> No
     ax.set_xticks(range(len(n["overhead"])), ["\n".join(textwrap.wrap(r["run"], 18)) for r in n["overhead"]],
                   fontsize=7.5)
     ax.set_ylim(0, max(max(r["rounds"]) for r in n["overhead"]) * 1.5)
-    ax.set_ylabel("median step, ms (dots: rounds 1-3; bar: median)")
+    ax.set_ylabel(f"median step, ms (dots: rounds 1-{len(n['overhead'][0]['rounds'])}; bar: median)")
     ratios = "\n".join(f"{name}, per round (min median max): {r['min']:.3f} {r['median']:.3f} {r['max']:.3f}"
                        for name, r in data["overhead_ratios"].items())
     ax.text(0.02, 0.97, ratios, transform=ax.transAxes, va="top", fontsize=7.5)
@@ -1088,7 +1107,7 @@ def _draw_fault_tolerance(plt, data: dict[str, Any], note: str, path: str) -> No
                     yerr=[[mid - min(values)], [max(values) - mid]], capsize=3, ecolor="0.3")
         ax_fail.hlines(t, x - width * 0.45, x + width * 0.45, color="black", linestyle="--", linewidth=1)
         ax_fail.text(x, max(values) + 0.1, f"{mid:.3f} s\n({len(values)} run{'s' if len(values) > 1 else ''})\n"
-                                           f"timeout +{(mid - t) * 1000:.0f} ms;\nstep {r['step_before_ms']:g} ms",
+                                           f"timeout {(mid - t) * 1000:+.0f} ms;\nstep {r['step_before_ms']:g} ms",
                      ha="center", va="bottom", fontsize=7)
     ax_fail.set_xticks(range(len(timeouts)), [f"heartbeat timeout {t:,} ms" for t in timeouts])
     ax_fail.set_ylim(0, max(max(r["kill_to_step_alone_s"]) for r in n["failure"]) * 1.45)
@@ -1174,7 +1193,7 @@ def _draw_setup_memory(plt, data: dict[str, Any], note: str, path: str) -> None:
     ax.set_xticks(range(len(rows)), [f"{r['preset']}: {builds.get(r['build'], r['build'])}" for r in rows],
                   fontsize=8)
     ax.set_xlim(-0.6, len(rows) - 0.25)
-    ax.set_ylim(0, max(r["model_fp32"] for r in rows) * 1.25)
+    ax.set_ylim(0, max(max(r["model_fp32"], r["bound"], *(r[key] for key, _, _ in bars)) for r in rows) * 1.25)
     ax.set_ylabel("MiB per rank (configure_model to strategy.setup)")
     ax.legend(fontsize=7, loc="upper right")
     fig.suptitle("Peak memory per rank while setting a model up under fsdp2, 2 gloo ranks (bench_setup_memory.py)",

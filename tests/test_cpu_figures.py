@@ -447,3 +447,400 @@ def test_bench_plan_records_what_cpu_figures_reads(tmp_path, monkeypatch):
     path.write_text(json.dumps(data))
     result = plot_results([str(path)], str(tmp_path / "img"), command="python benchmarks/bench_plan.py --plot ...")
     assert list(result["files"]) == ["cpu-plan-vs-measured"]
+
+
+# ---- each benchmark writes its own record (``--record FILE``, benchmarks/record.py) in the schema its
+# figure reads. Each test calls the script's record-building function on measurements in the form the
+# script's measuring code produces them, rebuilt from the transcribed record (so that the figure's
+# numbers can be compared with the transcribed record's; none of these benchmarks runs in under a
+# second), checks the five provenance fields, that cpu_figures draws exactly that figure from it,
+# and that a plotted quantity recomputed from it equals the one from the transcribed record.
+
+MIB = 2**20
+
+
+def _draws(tmp_path, data: dict, figure: str) -> dict:
+    """``data`` (a record a benchmark built) carries the provenance fields, says it is the script's own
+    output, and ``cpu_figures.plot_results`` draws exactly ``figure`` from it (through the JSON file
+    ``record.write_record`` writes): its answer."""
+    from cpu_figures import FIGURES, REQUIRED, plot_results
+    from record import write_record
+
+    assert all(data[field] for field in REQUIRED) and data["benchmark"] == FIGURES[figure]
+    script = data["command"].split()[1].removeprefix("benchmarks/")
+    assert data["command"].startswith("python benchmarks/bench_") and data["source"] == f"{script}'s own output (this file)"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", data["date"]) and re.search(r"\d+ CPU cores, torch \S", data["machine"])
+    path = write_record(data, tmp_path / "record.json")
+    result = plot_results([str(path)], str(tmp_path / "img"), command="python benchmarks/... --plot ...")
+    assert list(result["files"]) == [figure] and Path(result["files"][figure]).stat().st_size > 10_000
+    return result
+
+
+def test_provenance_is_one_header_for_every_record():
+    from record import provenance
+
+    data = provenance("bench_x", "bench_x.py", "gloo", argv=["--steps", "2", "a b"], source=None)
+    assert list(data) == ["benchmark", "date", "machine", "command", "source"]
+    assert data["command"] == "python benchmarks/bench_x.py --steps 2 'a b'"
+    assert data["source"] == "bench_x.py's own output (this file)" and data["machine"].endswith(", gloo")
+
+
+def test_bench_process_groups_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_process_groups
+    from cpu_figures import group_rows
+
+    recorded = _recorded("bench_process_groups")
+    # main's rows: per layout, what it counted (no note: record adds the default group's)
+    rows = [{k: v for k, v in r.items() if k != "sizes_note"} | {"build_s": 0.01} for r in recorded["rows"]]
+    data = bench_process_groups.record(recorded["world"], recorded["rank"], rows)
+    result = _draws(tmp_path, data, "cpu-process-groups")
+    assert result["process_groups"] == group_rows(recorded)
+
+
+def test_bench_accumulation_memory_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_accumulation_memory as bench
+    from cpu_figures import accumulation_rows
+
+    recorded = _recorded("bench_accumulation_memory")
+    # rank 0's worker output per run: the peak and the bytes held after each of the 3 first micro-batches
+    results = {run: {"peak": r["measured_peak"], "between": [r["held_between"] - 4096, r["held_between"], 0],
+                     "accumulate_unsharded_grads": "unsharded" in run} for run, r in
+               zip(("accum_unsharded", "accum_sharded"), recorded["rows"][::-1])}
+    data = bench.record(results)
+    drawn, expected = _draws(tmp_path, data, "cpu-accumulation-memory")["accumulation_memory"], accumulation_rows(recorded)
+    assert [r["mode"] for r in data["rows"]] == [r["mode"] for r in recorded["rows"]]
+    for key in ("measured_peak", "held_between"):  # measured: as recorded
+        assert drawn["differences"][key] == expected["differences"][key]
+    # planned: planning/memory.py's plan now, against the one the section printed
+    assert drawn["differences"]["planned_states"] == pytest.approx(expected["differences"]["planned_states"], rel=0.02)
+    assert [r["ratio_computed"] for r in drawn["rows"]] == pytest.approx(
+        [r["ratio_computed"] for r in expected["rows"]], rel=0.02)
+
+
+def test_bench_setup_memory_records_a_case_per_run_and_appends(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_setup_memory
+    from cpu_figures import setup_memory_rows
+    from record import write_record
+
+    recorded = _recorded("bench_setup_memory")
+    data = None
+    for case in recorded["cases"]:  # one run each: the model's facts and every rank's row (bytes)
+        facts = {"model_bytes": case["model_fp32"] * MIB, "largest_param_bytes": case["largest_parameter"] * MIB}
+        rows = [{"rank": r, "tensor_peak": case["tensor_peak"] * MIB - r, "tensor_after": (case["held_after_setup"] or 0) * MIB,
+                 "malloc_peak": case["malloc_peak"] * MIB, "rss_peak": case["rss_peak"] * MIB} for r in range(2)]
+        one = bench_setup_memory.record(case["preset"], "false" if case["build"] == "eager" else "auto", facts, rows)
+        path = write_record(one, tmp_path / "setup.json", append="cases" if data else None)
+        data = json.loads(path.read_text())
+    assert [c["build"] for c in data["cases"]] == ["meta", "eager"]
+    drawn, expected = _draws(tmp_path, data, "cpu-setup-memory")["setup_memory"], setup_memory_rows(recorded)
+    for mine, theirs in zip(drawn, expected, strict=True):
+        assert (mine["tensor_peak"], mine["peak_over_model"]) == (theirs["tensor_peak"], theirs["peak_over_model"])
+        assert mine["bound"] == pytest.approx(theirs["bound"], abs=1)  # from the bytes, not the rounded MiB
+
+
+def test_bench_checkpoint_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    from argparse import Namespace
+
+    import bench_checkpoint
+    from cpu_figures import checkpoint_modes
+
+    recorded = _recorded("bench_checkpoint")
+    every, steps = recorded["every"], 12
+    results = {}
+    for m in recorded["modes"]:  # run_one's JSON: every step's time, every save; a save every 3 steps
+        saved = set(range(every, steps + 1, every))
+        times = [(s, m["step_after_save_s"] if s - 1 in saved else m["step_s"]) for s in range(1, steps + 1)]
+        results[m["mode"]] = {"mode": m["mode"], "strategy": recorded["strategy"], "steps": times, "total": m["fit_total_s"],
+                              "saves": [{"step": s, "blocked": b, "complete": m["complete_after_s"]}
+                                        for s, b in zip(sorted(saved), m["blocked_s"])],
+                              "ckpt_bytes": recorded["ckpt_mib"] * MIB}
+    args = Namespace(config="small", vocab=50257, seq_len=128, batch=2, every=every, steps=steps)
+    data = bench_checkpoint.record(results, args)
+    # printed to 1 decimal, here from the printed (rounded) medians: 9.75 -> 9.8, the script's 9.7
+    assert data["less_blocking"] == pytest.approx(recorded["less_blocking"], abs=0.1 + 1e-9)
+    assert data["ckpt_mib"] == recorded["ckpt_mib"]
+    drawn, expected = _draws(tmp_path, data, "cpu-checkpoint-stall")["checkpoint_stall"], checkpoint_modes(recorded)
+    for key in ("stall_ratio", "total_ratio", "async_after_save_minus_step"):
+        assert drawn[key] == pytest.approx(expected[key], rel=1e-12)
+
+
+def test_bench_sac_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_sac
+    from cpu_figures import sac_rows
+
+    recorded = _recorded("bench_sac")
+    rows = [{"shape": r["shape"], "policy": r["policy"], "saved": r["saved_mib"] * MIB, "saved_ratio": r["saved_vs_none"],
+             "recomputed": r["recomputed_gflop"] * 1e9, "step": r["step_cpu_s"], "time_ratio": r["step_vs_none"],
+             "step_wall": r["step_wall_s"]} for r in recorded["rows"]]  # measure's rows
+    data = bench_sac.record(rows, batch=1, seq_len=512, steps=3, threads=1)
+    assert data["setting"] == recorded["setting"]
+    drawn = _draws(tmp_path, data, "cpu-sac")["sac"]
+    for mine, theirs in zip(drawn, sac_rows(recorded), strict=True):
+        assert (mine["shape"], mine["policy"]) == (theirs["shape"], theirs["policy"])
+        for key in ("saved_mib", "recomputed_gflop", "step_cpu_s", "saved_vs_none", "step_vs_none"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-12), key
+
+
+def test_bench_eval_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    from argparse import Namespace
+
+    import bench_eval
+    from cpu_figures import eval_pause_rows, eval_task_rows
+
+    recorded = _recorded("bench_eval")
+    # part_tasks' rows (2 rounds: min and max) and part_pause's runs
+    tasks = [{"task": t["task"], "items": t["items"], "requests": t["requests"], "seconds": [t["s_min"], t["s_max"]]}
+             for t in [*recorded["tasks"], recorded["total"]]]
+    pause = [{"mode": p["mode"], "plain": p["step_s"], "saved": p["checkpoint_steps_s"], "total": p["fit_total_s"],
+              "end_wait": p["waited_at_end_s"]} for p in recorded["pause"]]
+    args = Namespace(limit=50, heldout_windows=8, repeats=2, steps=8, every=4, pause_limit=10)
+    result = _draws(tmp_path, bench_eval.record(tasks, pause, args), "cpu-eval")
+    assert result["eval_pause"] == eval_pause_rows(recorded)
+    for mine, theirs in zip(result["eval_tasks"], eval_task_rows(recorded), strict=True):
+        assert mine["ms_per_request_computed"] == theirs["ms_per_request_computed"]
+        assert mine["s_median"] == pytest.approx(theirs["s_median"], abs=0.005 + 1e-9)  # printed to 2 decimals
+
+
+def test_bench_moe_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_moe
+    from cpu_figures import moe_load_series, moe_model_rows
+
+    recorded = _recorded("bench_moe_quality")
+    names = {"dense": "dense", "moe (bias 1e-3)": "moe", "moe_nobias": "moe_nobias"}
+    models = {names[m["model"]]: m for m in recorded["models"]}
+    result = {"steps": recorded["steps"], "tokens_per_step": 2048,  # quality()'s report
+              "val_loss": {n: m["val_loss"] for n, m in models.items()},
+              "params": {n: {"total": m["params"], "active": m["active_params"]} for n, m in models.items()},
+              "tok_per_s": {n: {"median": m["tok_per_s_median"], "p10": m["tok_per_s_p10"], "p90": m["tok_per_s_p90"]}
+                            for n, m in models.items()},
+              "load": {n: [{"step": r["step"], "max_mean": r[key]} for r in recorded["load_rows"]]
+                       for n, key in (("moe", "with_bias"), ("moe_nobias", "without_bias"))}}
+    drawn = _draws(tmp_path, bench_moe.record(result), "cpu-moe")
+    assert drawn["moe_models"] == moe_model_rows(recorded) and drawn["moe_load"] == moe_load_series(recorded)
+
+
+def test_bench_pp_records_what_cpu_figures_reads(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from argparse import Namespace
+
+    import bench_pp
+    from cpu_figures import pp_bubble_series, pp_memory_rows
+
+    recorded = _recorded("bench_pp_bubble_memory")
+    monkeypatch.setattr(bench_pp, "OUT", tmp_path)
+    # the schedule workers' per-rank JSON: one timed step per case and rank whose idle fraction is
+    # that rank's bubble (the least and greatest rank as recorded, the others making up the mean)
+    for p in (2, 4):
+        per_rank = [[] for _ in range(p)]
+        for row in (r for r in recorded["bubble_rows"] if r["p"] == p):
+            case = {"schedule": row["schedule"], "v": row["v"], "m": row["m"]}
+            if row["measured"] is None:
+                for cases in per_rank:
+                    cases.append(case | {"skipped": row["not_run"]})
+                continue
+            middle = (p * row["measured"] - row["ranks_min"] - row["ranks_max"]) / (p - 2) if p > 2 else None
+            for r, cases in enumerate(per_rank):
+                bubble = row["ranks_min"] if r == 0 else row["ranks_max"] if r == p - 1 else middle
+                cases.append(case | {"steps": [{"wall": row["step_s"], "busy": row["step_s"] * (1 - bubble)}]})
+        for r, cases in enumerate(per_rank):
+            (tmp_path / f"bubble_p{p}.rank{r}.json").write_text(json.dumps(cases))
+    for row in recorded["memory_rows"]:  # the memory worker's: three timed steps' peaks per schedule (bytes)
+        cases = [{"schedule": name, "m": recorded["memory_m"], "steps": [{}] * 3, "peaks": [row[key] * MIB] * 3}
+                 for name, key in (("GPipe", "gpipe"), ("1F1B", "one_f_one_b"))]
+        (tmp_path / f"memory_p{recorded['memory_p']}.rank{row['stage']}.json").write_text(json.dumps(cases))
+    m, memory = bench_pp.memory_rows(2)
+    args = Namespace(layers=8, n_embd=256, n_head=4, vocab=257, seq=128, mb_size=2)
+    data = bench_pp.record(bench_pp.bubble_rows([2, 4]), 2, m, memory, args)
+    result = _draws(tmp_path, data, "cpu-pp-bubble-memory")
+    assert [r["ratio"] for r in result["pp_memory"]] == pytest.approx([r["ratio"] for r in pp_memory_rows(recorded)])
+    for mine, theirs in zip(result["pp_bubble"], pp_bubble_series(recorded), strict=True):
+        assert mine["not_run"] == theirs["not_run"]
+        assert [q["theory_computed"] for q in mine["points"]] == [q["theory_computed"] for q in theirs["points"]]
+        # p = 2: the mean of the least and greatest rank, each printed to 3 decimals, against the printed mean
+        assert [q["measured"] for q in mine["points"]] == pytest.approx([q["measured"] for q in theirs["points"]],
+                                                                         abs=0.0005 + 1e-9)
+
+
+def _level_record(row: dict, step: int) -> dict:
+    """A memory worker's levels and window peaks (bytes) with ``row``'s numbers (MiB) at ``step``."""
+    return {"step": step, "levels": {"setup": row["setup"] * MIB, f"step{step}.fwd:end": row["after_fwd"] * MIB,
+                                     f"step{step}.bwd:end": row["after_bwd"] * MIB, f"step{step}.opt:end": row["rest"] * MIB},
+            "peaks": {f"step{step}.{ph}": row["peak"] * MIB if ph == row["peak_phase"] else 0 for ph in ("fwd", "bwd", "opt")},
+            "known": {"params": row["known_tensors"] * MIB}}
+
+
+def test_bench_fsdp_memory_records_what_cpu_figures_reads(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from argparse import Namespace
+
+    import bench_fsdp
+    from cpu_figures import fsdp_rows
+
+    recorded = _recorded("bench_fsdp_memory")
+    monkeypatch.setattr(bench_fsdp, "OUT", tmp_path)
+    numel = 10_819_584  # the model of the recorded run (the section's), 6 blocks
+    assert f"{numel:,} parameters" in recorded["model"]
+    blocks = [1_774_464] * 6  # not drawn: the gathered parameters' column only
+    for row in recorded["rows"]:  # rank 0's JSON of each memory worker (meter process)
+        (tmp_path / f"memory_process_{row['n']}_{row['stage']}_rank0.json").write_text(json.dumps(
+            _level_record(row, 2) | {"numel": numel, "block_numel": blocks, "meter_name": "malloc bytes in use"}))
+    rows = bench_fsdp.memory_rows([1, 2, 4], ["zero3", "zero2"], "process")
+    args = Namespace(device="cpu", preset="small", vocab=257, batch=4, seq=128, mem_steps=3)
+    result = _draws(tmp_path, bench_fsdp.memory_record(rows, numel, 2, "malloc bytes in use", args), "cpu-fsdp-memory")
+    for mine, theirs in zip(result["fsdp_memory"], fsdp_rows(recorded), strict=True):
+        assert (mine["n"], mine["stage"]) == (theirs["n"], theirs["stage"])
+        for key in ("rest", "peak", "above_rest"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-12), key
+        assert mine["computed_state"] == pytest.approx(theirs["computed_state"], abs=0.005)  # printed to 2 decimals
+
+
+def test_bench_fsdp_throughput_records_a_run_and_appends_the_next(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_fsdp
+    from cpu_figures import fsdp_throughput_rows
+    from record import write_record
+
+    recorded = _recorded("bench_fsdp_throughput")
+    args = {"preset": "small", "vocab": 257, "seq": 128, "batch": 4, "steps": 15, "warmup": 3, "repeats": 7}
+    path = tmp_path / "throughput.json"
+    for run in recorded["runs"]:  # the workers' throughput.json: one step per repeat at the repeat's s/step
+        data = {"steps": {v["variant"]: [[s] for s in v["s_per_step"]] for v in run["variants"]}, "args": args,
+                "rounds": [{"order": [], "load1_before": x} for x in run["load_before_round"]],
+                "tokens_per_step": recorded["tokens_per_step"]}
+        one = bench_fsdp.throughput_record(data, run["date"], run["load_start"], run["load_end"], run["seconds"], run["run"])
+        write_record(one, path, append="runs" if run["run"] != "A" else None)
+    data = json.loads(path.read_text())
+    assert data["setting"] == recorded["setting"] and [r["run"] for r in data["runs"]] == ["A", "B"]
+    result = _draws(tmp_path, data, "cpu-fsdp-throughput")
+    for mine, theirs in zip(result["fsdp_throughput"], fsdp_throughput_rows(recorded), strict=True):
+        assert (mine["run"], mine["variant"]) == (theirs["run"], theirs["variant"])
+        for key in ("median", "tok_s_best", "vs_hand_best_of", "vs_hand_median", "per_round_median"):
+            if theirs["is_hand"] and key.startswith(("vs_", "per_")):
+                assert key not in mine
+                continue
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-12), key
+
+
+def test_bench_tp_records_what_cpu_figures_reads(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import bench_tp
+    from cpu_figures import tp_activation_rows, tp_memory_rows
+
+    recorded = _recorded("bench_tp_memory")
+    monkeypatch.setattr(bench_tp, "OUT", tmp_path)
+    shape = {"s": 128, "b": 4, "h": 384, "a": 8, "L": 6, "V": 257, "Vp": 320, "mlp": 1536}
+    acts = {(r["t"], r["sp"]): r for r in recorded["activation_rows"]}
+    runs = []
+    for row in recorded["memory_rows"]:  # rank 0's JSON of each memory worker
+        t, sp = row["t"], row["sp"] != "off"
+        runs.append((t, sp))
+        a = acts[(t, row["sp"])]
+        (tmp_path / f"memory_{t}_{'sp' if sp else 'nosp'}_rank0.json").write_text(json.dumps(
+            _level_record(row, 2) | {"preset": "small", "numel": recorded["parameters"], "shape": shape,
+                                     "computed_local": row["computed_state"] * MIB / 16,
+                                     "computed_sharded": row["sharded_part"] * MIB / 16,
+                                     "computed_replicated": row["replicated_part"] * MIB / 16,
+                                     "acts": {"input": {"shape": [int(d) for d in a["block_input"].split("x")]}}
+                                     | {k: [a[k] * MIB] * 3 for k in ("malloc", "saved", "new_alive", "stock")}}))
+    data = bench_tp.record(bench_tp.memory_rows(runs), bench_tp.activation_rows(runs), bench_tp._mem(*runs[0]))
+    assert data["model"].startswith(recorded["model"].split(" (padded")[0])
+    result = _draws(tmp_path, data, "cpu-tp-memory")
+    for mine, theirs in zip(result["tp_memory"], tp_memory_rows(recorded), strict=True):
+        assert (mine["rest"], mine["peak"]) == pytest.approx((theirs["rest"], theirs["peak"]), rel=1e-12)
+    for mine, theirs in zip(result["tp_activations"], tp_activation_rows(recorded), strict=True):
+        assert mine["megatron_computed"] == theirs["megatron_computed"]  # from s, b, h, a
+        # bench_tp's formulas, unrounded, against the ones printed to 3 decimals
+        assert mine["malloc_over_adapted"] == pytest.approx(theirs["malloc_over_adapted"], abs=0.001)
+
+
+def test_bench_preemption_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_preemption
+    from cpu_figures import preemption_rows
+
+    recorded = _recorded("bench_preemption")
+    theirs = next(r for r in recorded["runs"] if r["run"].startswith("seed 2"))
+    # the seed 2 run's trial rows: 17 saved (signal to exit 3.5 / 4.2 / 5.0 s), resumed bitwise equal;
+    # 3 had ended (exit 0); its 48 complete checkpoints spread over them
+    e = theirs["exit_s"]
+    saved = [{"exit_code": 143, "exit_s": x, "saved_step": 3, "interrupted_step": 4, "lost_steps": 0,
+              "corrupted_accepted": 0, "complete_ckpts": 2, "resume_exit_code": 0, "resumed_from": 4, "resumed_equal": True}
+             for x in [e["min"], *[e["median"]] * 15, e["max"]]]
+    ended = [{"exit_code": 0, "exit_s": 1.0, "saved_step": None, "lost_steps": 0, "resumed_equal": True,
+              "corrupted_accepted": 0, "complete_ckpts": c} for c in (4, 5, 5)]
+    results = {"rows": saved + ended, "step_s": theirs["median_step_ms"] / 1e3,
+               "agreement_s": [theirs["agreement_boundary_ms"] / 1e3],
+               "aligned_s": [theirs["agreement_aligned_ms"] / 1e3] * 2 + [theirs["agreement_aligned_max_ms"] / 1e3]}
+    data = bench_preemption.record(results, "seed 2, --validate", 12)
+    assert data["grace_period_s"] == recorded["grace_period_s"]
+    mine = _draws(tmp_path, data, "cpu-preemption")["preemption"][0]
+    assert mine["aligned_share"] == pytest.approx(preemption_rows(recorded)[2]["aligned_share"], rel=1e-12)
+    for key in ("trials", "preempted", "resumed_bitwise", "resumed_compared", "steps_lost", "corrupted_accepted",
+                "reverified", "ended_exit_0", "shutdown_exit_15", "exit_s"):
+        assert mine[key] == theirs[key], key
+
+
+def test_bench_end_to_end_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    from argparse import Namespace
+
+    import bench_end_to_end as bench
+    from cpu_figures import end_to_end_runs
+
+    recorded = _recorded("bench_end_to_end")
+    run = recorded["runs"][0]
+    phases = {label.split(" (")[0]: key for key, label in bench.PHASES}
+    # run_once's runs, 3 per variant: each phase at its median, the totals per round
+    results = {v: [{phases[p["phase"]]: p["s"][v] for p in run["phases"]}
+                   | {"total": total, "steady_per_step": run["steady_step_ms"][v] / 1e3}
+                   for total in run["totals_per_round"][v]] for v in run["variants"]}
+    args = Namespace(steps=400, batch=8, seq=128, val_every=100, val_batches=8, repeats=3)
+    data = bench.record(results, args)
+    assert [p["phase"] for p in data["runs"][0]["phases"]] == [p["phase"] for p in run["phases"]]
+    mine, theirs = _draws(tmp_path, data, "cpu-end-to-end")["end_to_end"][0], end_to_end_runs(recorded)[0]
+    assert mine["total_s"] == theirs["total_s"] and mine["per_round_over_plain"] == theirs["per_round_over_plain"]
+    assert mine["minus_plain"] == theirs["minus_plain"]
+
+
+def test_bench_fault_tolerance_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_fault_tolerance as bench
+    from cpu_figures import fault_tolerance_numbers
+
+    recorded = _recorded("bench_fault_tolerance")
+    # main's result: overhead per variant (the rounds' median steps, s; quorum wait and all-reduce per round)
+    overhead = {name: {"step_s": [x / 1e3 for x in r["step_ms_rounds"]], "quorum_wait_ms": r.get("quorum_wait_ms", []),
+                       "allreduce_ms": r.get("allreduce_ms", [])} for name, r in zip(bench.OVERHEAD_VARIANTS, recorded["overhead"])}
+    names = list(bench.OVERHEAD_VARIANTS)
+    overhead["ratio_1"] = [a / b for a, b in zip(overhead[names[1]]["step_s"], overhead[names[0]]["step_s"])]
+    overhead["ratio_2"] = [a / b for a, b in zip(overhead[names[3]]["step_s"], overhead[names[2]]["step_s"])]
+    failure = {f["heartbeat_timeout_ms"]: [{"kill_to_commit_s": k, "uncommitted": u, "median_step_s": f["step_before_ms"] / 1e3}
+                                           for k, u in zip(f["kill_to_step_alone_s"], f["not_committed"])]
+               for f in recorded["failure"] if f["command"] == 1}
+    heal = {h["model"].split()[0]: {"params": h["params_m"] * 1e6, "survivor_median_step_s": h["survivor_step_ms"] / 1e3,
+                                    "survivor_heal_step_s": h["survivor_heal_step_ms"] / 1e3,
+                                    "apply_s": h["joiner_load_state_dict_ms"] / 1e3,
+                                    "launch_to_heal_step_s": h["joiner_launch_to_heal_s"], "weights_equal": True}
+            for h in recorded["heal"]}
+    w = recorded["work_lost_inputs"]
+    cost = {"save_s": w["checkpoint_save_s"], "step_s": w["step_ms"] / 1e3, "start_to_first_step_s": w["restart_to_first_step_s"]}
+    result = {"overhead": overhead, "failure": failure, "heal": heal, "checkpoint": cost,
+              "lost_work": bench.lost_work(heal["tiny"], failure, cost)}
+    n = _draws(tmp_path, bench.record(result, "setting"), "cpu-fault-tolerance")["fault_tolerance"]
+    theirs = fault_tolerance_numbers(recorded)
+    for key in ("alone_over_one_process", "groups_over_hsdp"):
+        assert n[key] == pytest.approx(theirs[key], rel=1e-12)
+    assert [h["serving_ms"] for h in n["heal"]] == pytest.approx([h["serving_ms"] for h in theirs["heal"]])
+    for lost in n["work_lost"]:  # the figure's, from the rounded inputs, against the script's lost_work as printed
+        assert lost["interval_s"] == pytest.approx(lost["recorded"]["interval_s"], abs=0.75)
+        assert lost["restart_s"] == pytest.approx(lost["recorded"]["restart_s"], abs=0.5)
+        assert lost["fault_tolerant_s"] == pytest.approx(lost["recorded"]["fault_tolerant_s"], abs=0.05)
+        assert lost["recorded"]["ratio"] == pytest.approx(lost["recorded"]["restart_s"] / lost["recorded"]["fault_tolerant_s"],
+                                                          abs=0.1)
