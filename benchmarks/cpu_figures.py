@@ -62,12 +62,13 @@ rendered it in a footnote:
   bound;
 - ``cpu-accumulation-memory`` (``bench_accumulation_memory``: section 23): measured against planned
   peak and held between micro-batches, sharded and unsharded accumulation, and the modes' difference;
-- ``cpu-muon`` (``bench_muon``: ``bench_muon.py``'s own output file, section 24): collectives per
-  optimizer step and its time, ShardedMuon against torch.optim.Muon on the shards and AdamW, with
-  the earlier run's times on 2 and 4 ranks.
+- ``cpu-muon`` (``bench_muon``: ``bench_muon.py``'s own record, section 24): collectives per
+  optimizer step and its time, ShardedMuon against torch.optim.Muon on the shards and AdamW, for
+  the tiny and small presets on 2 and 4 ranks, and the computed busiest owner's Newton-Schulz
+  FLOPs against the mean for gpt2-1558m and llama3-70b at 64 and 1,024 ranks.
 
-The recorded JSONs other than bench_plan's, bench_cp's and bench_muon's (their benchmarks' own output;
-bench_muon's earlier run aside) are transcribed from docs/benchmarks.md; each says which section and
+The recorded JSONs other than bench_plan's, bench_cp's and bench_muon's (their benchmarks' own output)
+are transcribed from docs/benchmarks.md; each says which section and
 run in ``source``. Every benchmark behind one now writes its own record in the same schema when run
 with ``--record FILE`` (its provenance from ``record.py``) and draws its figure with ``--plot DIR``. A figure
 whose benchmark is not among the inputs is not written, and said so. As in gpu_report.py (both save
@@ -425,12 +426,24 @@ def accumulation_rows(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def muon_rows(data: dict[str, Any]) -> dict[str, Any]:
-    """This run per variant: collectives, median and min ms of the optimizer step, the median over
-    ShardedMuon's; and the earlier run's before/after times per rank count."""
-    sharded = data["results"]["sharded"]["median_ms"]
-    return {"variants": [{"variant": k, "description": data["variants"][k]} | v
-                         | {"over_sharded": v["median_ms"] / sharded} for k, v in data["results"].items()],
-            "earlier": data["earlier"]}
+    """Per measured run (preset, ranks) and variant: collectives, bytes sent by the busiest rank,
+    Newton-Schulz FLOPs of the busiest rank against total / ranks, median and min ms, and the
+    median over ShardedMuon's; per computed row (FSDP2 alone) the busiest owner's FLOPs over the
+    mean."""
+    runs = []
+    for run in data["runs"]:
+        results = run["results"]
+        sharded = results["sharded"]["median_ms"] if "sharded" in results else None
+        runs.append({"preset": run["preset"], "ranks": run["ranks"], "variants": [
+            {"variant": k, "collectives": v["collectives"], "sent_mib": max(v["sent_bytes_per_rank"]) / 2 ** 20,
+             "ns_gflop_busiest": max(v["ns_flops_per_rank"]) / 1e9, "ns_gflop_mean": v["ns_flops_mean"] / 1e9,
+             "median_ms": v["median_ms"], "min_ms": v["min_ms"],
+             "over_sharded": v["median_ms"] / sharded if sharded else None} for k, v in results.items()]})
+    computed = [{"model": r["model"], "ranks": r["ranks"], "busiest_over_mean": r["ns_flops_busiest"] / r["ns_flops_mean"],
+                 "ns_gflop_busiest": r["ns_flops_busiest"] / 1e9, "ns_gflop_mean": r["ns_flops_mean"] / 1e9,
+                 "planned_muon_s": r["planned_muon_s"], "planned_step_s": r["planned_step_s"]}
+                for r in data["computed"] if " x TP" not in r["layout"]]
+    return {"runs": runs, "computed": computed}
 
 
 # ---- drawing
@@ -1245,46 +1258,53 @@ MUON_COLORS = {"sharded": "C0", "torch": "C3", "adamw": "0.5"}
 
 def _draw_muon(plt, data: dict[str, Any], note: str, path: str) -> None:
     numbers = muon_rows(data)
-    variants, earlier = numbers["variants"], numbers["earlier"]
-    fig, (ax, ax_time) = plt.subplots(1, 2, figsize=(12.5, 5.2), gridspec_kw={"width_ratios": [2, 3]})
-    names = {"sharded": "ShardedMuon\n(now)", "torch": "torch.optim.Muon\non the shards (before)", "adamw": "AdamW"}
-    for i, v in enumerate(variants):
-        ax.bar(i, v["collectives"], 0.6, color=MUON_COLORS.get(v["variant"], "C5"))
-        ax.text(i, v["collectives"], f"{v['collectives']}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(variants)), [names.get(v["variant"], v["variant"]) for v in variants], fontsize=8)
-    ax.set_ylim(0, max(v["collectives"] for v in variants) * 1.15)
-    ax.set_ylabel("collectives in one optimizer step (CommDebugMode)")
-    ax.set_title("collectives per optimizer step (last of 8 steps)", fontsize=9)
-    width = 0.26
-    groups = [("this run, 2 ranks\n(median; dash: min)",
-               {v["variant"]: (v["median_ms"], v["min_ms"]) for v in variants})]
-    groups += [(f"earlier run, {e['ranks']} ranks" + ("\n(4 processes on 2 cores)" if e["ranks"] > 2 else ""),
-                {"sharded": (e["sharded_ms"], None), "torch": (e["torch_ms"], None)}) for e in earlier]
-    order = ("sharded", "torch", "adamw")
-    for i, (_, times) in enumerate(groups):
+    runs, computed = numbers["runs"], numbers["computed"]
+    fig, (ax, ax_time, ax_plan) = plt.subplots(1, 3, figsize=(15, 5.4), gridspec_kw={"width_ratios": [3, 3, 2]})
+    names = {"sharded": "ShardedMuon (now)", "torch": "torch.optim.Muon on the shards (before)", "adamw": "AdamW"}
+    order, width = ("sharded", "torch", "adamw"), 0.26
+    labels = [f"{r['preset']}\n{r['ranks']} ranks" for r in runs]
+    for i, run in enumerate(runs):
+        by = {v["variant"]: v for v in run["variants"]}
         for j, key in enumerate(order):
-            if key not in times:
+            if key not in by:
                 continue
-            x = i + (j - 1) * width
-            value, low = times[key]
-            ax_time.bar(x, value, width * 0.92, color=MUON_COLORS[key],
-                        label=names[key].replace("\n", " ") if i == 0 else None)
-            ax_time.text(x, value, f"{value:.0f}", ha="center", va="bottom", fontsize=7.5)
-            if low is not None:
-                ax_time.plot(x, low, marker="_", color="black", markersize=12, mew=1.5)
-        ax_time.text(i, max(t[0] for t in times.values()) * 1.08 + 60,
-                     f"{times['torch'][0] / times['sharded'][0]:.1f}x", ha="center", va="bottom", fontsize=8)
-    ax_time.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
-    ax_time.set_ylim(0, max(t[0] for _, times in groups for t in times.values()) * 1.25)
-    ax_time.set_ylabel("optimizer step, ms (steps 3-8)")
-    ax_time.set_title("optimizer step time (above: torch.optim.Muon / ShardedMuon); machine busy: indicative",
-                      fontsize=9)
-    ax_time.legend(fontsize=7.5, loc="upper left")
-    fig.suptitle("Muon under FSDP2: each matrix orthogonalised once, on its owner rank (bench_muon.py, tiny GPT, "
-                 "gloo, 1 thread per rank)", fontsize=10)
-    save_with_footnote(plt, fig, path, "Measured: collectives and times (bytes moved are not measured by "
-                                       "bench_muon.py). The earlier run's numbers are from the section's text "
-                                       "(medians or minima not said). " + note)
+            v, x = by[key], i + (j - 1) * width
+            ax.bar(x, v["collectives"], width * 0.92, color=MUON_COLORS[key], label=names[key] if i == 0 else None)
+            ax.text(x, v["collectives"], f"{v['collectives']}", ha="center", va="bottom", fontsize=7.5)
+            ax_time.bar(x, v["median_ms"], width * 0.92, color=MUON_COLORS[key],
+                        label=names[key] if i == 0 else None)
+            ax_time.plot(x, v["min_ms"], marker="_", color="black", markersize=10, mew=1.5)
+            ax_time.text(x, v["median_ms"] * 1.06, f"{v['median_ms']:.0f}", ha="center", va="bottom", fontsize=7)
+        if "torch" in by and "sharded" in by:
+            ax_time.text(i, by["torch"]["median_ms"] * 1.6, f"{by['torch']['over_sharded']:.1f}x", ha="center",
+                         va="bottom", fontsize=8, weight="bold")
+    ax.set_xticks(range(len(runs)), labels, fontsize=7.5)
+    ax.set_ylim(0, max(v["collectives"] for r in runs for v in r["variants"]) * 1.15)
+    ax.set_ylabel("collectives in one optimizer step (CommDebugMode)")
+    ax.set_title("collectives per optimizer step (ShardedMuon: 2, one all-to-all each way)", fontsize=9)
+    ax.legend(fontsize=7.5, loc="upper left")
+    ax_time.set_yscale("log")
+    ax_time.yaxis.set_major_formatter(plt.FuncFormatter(_log_label))
+    ax_time.set_xticks(range(len(runs)), labels, fontsize=7.5)
+    top = max(v["median_ms"] for r in runs for v in r["variants"])
+    ax_time.set_ylim(min(v["min_ms"] for r in runs for v in r["variants"]) * 0.6, top * 4)
+    ax_time.set_ylabel("optimizer step, ms (median; dash: min)")
+    ax_time.set_title("optimizer step time (bold: torch.optim.Muon / ShardedMuon)", fontsize=9)
+    for i, row in enumerate(computed):
+        ax_plan.bar(i - 0.18, row["ns_gflop_busiest"], 0.36, color="C0", label="busiest rank" if i == 0 else None)
+        ax_plan.bar(i + 0.18, row["ns_gflop_mean"], 0.36, color="0.7", label="total / ranks" if i == 0 else None)
+        ax_plan.text(i, row["ns_gflop_busiest"] * 1.15, f"{row['busiest_over_mean']:.2f}x", ha="center", fontsize=8)
+    ax_plan.set_yscale("log")
+    ax_plan.set_xticks(range(len(computed)), [f"{r['model']}\n{r['ranks']} ranks" for r in computed], fontsize=7.5)
+    ax_plan.set_ylim(min(r["ns_gflop_mean"] for r in computed) * 0.5, max(r["ns_gflop_busiest"] for r in computed) * 5)
+    ax_plan.set_ylabel("Newton-Schulz GFLOP per optimizer step")
+    ax_plan.set_title("computed: busiest owner vs mean (FSDP2)", fontsize=9)
+    ax_plan.legend(fontsize=7.5, loc="upper left")
+    fig.suptitle("Muon under FSDP2: each matrix orthogonalised once, on its owner rank (bench_muon.py, gloo, "
+                 "1 thread per rank)", fontsize=10)
+    save_with_footnote(plt, fig, path, "Measured: collectives, times (4 ranks ran as 4 processes on 2 cores, so the "
+                                       "work each rank saves does not shorten the step); computed: the owners as "
+                                       "ShardedMuon places them (parallel.muon.owner_plan). " + note)
 
 
 DRAW = {"cpu-plan-vs-measured": _draw_plan, "cpu-fsdp-memory": _draw_fsdp, "cpu-cp-memory": _draw_cp,

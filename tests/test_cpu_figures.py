@@ -391,20 +391,44 @@ def test_accumulation_figure_recomputes_planned_against_measured(rendered):
                  "planned_peak": recorded["planned"], "planned_states": recorded["planned"]}
 
 
-def test_muon_figure_draws_bench_muons_output_as_section_24_rounds_it(rendered):
+def test_muon_figure_draws_bench_muons_record_as_section_24_rounds_it(rendered):
     _, result = rendered
     data = _recorded("bench_muon")
-    assert "/tmp/muon2.json" in data["source"] and "/tmp/muon2.json" in data["command"]
-    variants = {v["variant"]: v for v in result["muon"]["variants"]}
-    assert list(variants) == ["sharded", "torch", "adamw"]
-    # section 24's table: collectives 2 / 364 / 0, median ms 99 / 1080 / 30, min ms 71 / 882 / 23
-    assert [variants[k]["collectives"] for k in variants] == [2, 364, 0]
-    assert [round(variants[k]["median_ms"]) for k in variants] == [99, 1080, 30]
-    assert [round(variants[k]["min_ms"]) for k in variants] == [71, 882, 23]
-    assert round(variants["torch"]["over_sharded"], 1) == 10.9  # 1080 / 99 ms: the figure's '10.9x'
-    earlier = {e["ranks"]: e for e in result["muon"]["earlier"]}
-    assert (earlier[2]["torch_ms"], earlier[2]["sharded_ms"], earlier[4]["torch_ms"], earlier[4]["sharded_ms"]) == (
-        862, 69, 2590, 95)
+    assert data["source"] == "bench_muon.py's own output (this file)" and "--append" in data["command"]
+    assert data["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_muon.py")
+    runs = {(r["preset"], r["ranks"]): {v["variant"]: v for v in r["variants"]} for r in result["muon"]["runs"]}
+    assert list(runs) == [("tiny", 2), ("small", 2), ("tiny", 4), ("small", 4)]
+    for (preset, ranks), variants in runs.items():
+        assert list(variants) == ["sharded", "torch", "adamw"]
+        assert variants["sharded"]["collectives"] == 2 and variants["adamw"]["collectives"] == 0
+        # ShardedMuon: each rank 1/ranks of the work (equal shapes split evenly here); torch's: all of it
+        assert variants["sharded"]["ns_gflop_busiest"] == pytest.approx(variants["sharded"]["ns_gflop_mean"])
+        assert variants["torch"]["ns_gflop_busiest"] == pytest.approx(ranks * variants["torch"]["ns_gflop_mean"])
+    # section 24's table: collectives of torch's path, and the figure's ratio above each group
+    assert [runs[k]["torch"]["collectives"] for k in runs] == [364, 546, 364, 606]
+    assert [round(runs[k]["torch"]["over_sharded"], 1) for k in runs] == [8.8, 3.6, 20.6, 10.8]
+    # bytes a rank sends: its pieces' share that is not its own, there and back (2 (r-1)/r of 1/r of the bf16 matrices)
+    assert [round(runs[k]["sharded"]["sent_mib"], 3) for k in runs] == [0.75, 10.125, 0.562, 7.594]
+    computed = {(c["model"], c["ranks"]): c for c in result["muon"]["computed"]}
+    assert round(computed[("llama3-70b", 1024)]["busiest_over_mean"], 2) == 3.41
+    assert round(computed[("llama3-70b", 64)]["busiest_over_mean"], 2) == 1.04
+
+
+def test_bench_muon_records_what_cpu_figures_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_muon
+    from cpu_figures import muon_rows
+
+    from cpu_figures import REQUIRED, plot_results
+    from record import write_record
+
+    recorded = _recorded("bench_muon")
+    data = bench_muon.measured_record(recorded["runs"], 8, 2)  # measure()'s results as the ranks gathered them
+    assert all(data[field] for field in REQUIRED) and data["source"] == "bench_muon.py's own output (this file)"
+    assert data["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_muon.py")  # how it runs
+    assert data["computed"] == recorded["computed"]  # the arithmetic, recomputed now
+    result = plot_results([str(write_record(data, tmp_path / "bench_muon.json"))], str(tmp_path / "img"), command="x")
+    assert list(result["files"]) == ["cpu-muon"] and result["muon"] == muon_rows(recorded)
 
 
 def test_rendering_twice_writes_the_same_bytes(rendered, tmp_path):
