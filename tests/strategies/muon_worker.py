@@ -115,12 +115,14 @@ def _loader(trainer: L.Trainer, start: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=micro, sampler=order)
 
 
-def _fit(strategy, devices: int, impl: str = "", ckpt_dir: Path | None = None, ckpt_path=None):
+def _fit(strategy, devices: int, impl: str = "", ckpt_dir: Path | None = None, ckpt_path=None, moe: bool = False):
     module_class = {"torch": TorchMuonModule, "fp32": Fp32MuonModule, "": GPTModule}[impl]
     # untied: a pipeline's first and last stages cannot share the embedding (the same model in every run)
     overrides = dict(n_layer=2, n_embd=32, n_head=2, block_size=SEQ, tie_embeddings=False)
-    if isinstance(strategy, str) and strategy.startswith("moe_"):  # a mixture of experts: the routed experts' stacks take AdamW, the rest Muon
-        strategy, overrides = strategy[len("moe_"):], {**overrides, **MOE}
+    if isinstance(strategy, str) and strategy.startswith("moe_"):
+        strategy, moe = strategy[len("moe_"):], True
+    if moe:  # a mixture of experts: the routed experts' stacks on ExpertMuon, the other matrices on ShardedMuon
+        overrides = {**overrides, **MOE}
     module = module_class("tiny", vocab_size=VOCAB, optimizer="muon", lr=1e-3, muon_lr=0.02,
                           model_overrides=overrides)
     # built when fit asks for it: a resumed fit (global_step restored by then) starts after the trained steps
@@ -153,20 +155,22 @@ def _fit(strategy, devices: int, impl: str = "", ckpt_dir: Path | None = None, c
 
 
 def resume_run(run: str, devices: int) -> dict:
-    """``resume``: fsdp2 x2 (fp32 Newton-Schulz) saves at RESUME_AT through the strategy (DCP,
-    ``ModelCheckpoint``) and fsdp2 x2 resumes from it; ``reshard``: the same checkpoint resumed by
-    HSDP over the same ranks (dp_replicate=2 x dp_shard=1: every weight and Muon momentum
-    replicated, not sharded)."""
+    """A mixture of experts (so the experts' ``ExpertMuon`` state travels too), fp32 Newton-Schulz:
+    fsdp2 x2 trains STEPS uninterrupted, saving at RESUME_AT through the strategy (DCP,
+    ``ModelCheckpoint``); ``resume``: fsdp2 x2 resumes from that checkpoint; ``reshard``: HSDP over
+    the same ranks does (dp_replicate=2 x dp_shard=1: every weight and Muon momentum replicated, not
+    sharded). Returns the resumed steps and the uninterrupted run's."""
     out = Path(os.environ.get("LDT_LAUNCH_OUT", "/tmp")) / f"muon_{run}_{devices}"
     L.seed_everything(0)
-    _fit("fsdp2", devices, "fp32", ckpt_dir=out)
+    _, first, first_steps = _fit("fsdp2", devices, "fp32", ckpt_dir=out, moe=True)
     L.seed_everything(0)
     strategy = "fsdp2" if run == "resume" else NDParallelStrategy(dp_replicate=2, dp_shard=1)
-    trainer, losses, steps = _fit(strategy, devices, "fp32", ckpt_path=str(out / f"step={RESUME_AT}.ckpt"))
-    momentum = [s["momentum_buffer"] for s in steps.muon.state.values()]
+    trainer, losses, steps = _fit(strategy, devices, "fp32", ckpt_path=str(out / f"step={RESUME_AT}.ckpt"), moe=True)
+    momentum = [s["momentum_buffer"] for part in steps.parts[:-1] for s in part.state.values()]
     placements = sorted({str(tuple(m.placements)) for m in momentum if isinstance(m, DTensor)})
-    return {"losses": losses.losses, "weights": steps.weights, "muon": type(steps.muon).__name__,
-            "momentum_placements": placements, "global_step": trainer.global_step}
+    return {"losses": losses.losses, "weights": steps.weights, "muon": [type(p).__name__ for p in steps.parts],
+            "momentum_placements": placements, "momenta": len(momentum), "global_step": trainer.global_step,
+            "uninterrupted": {"losses": first.losses, "weights": first_steps.weights}}
 
 
 def fit_run(run: str, devices: int) -> dict:

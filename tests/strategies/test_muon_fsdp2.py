@@ -114,12 +114,19 @@ def test_a_muon_step_issues_two_collectives_per_bucket_and_splitting_dimension(l
 
 @pytest.mark.parametrize("run", ["resume", "reshard"])
 def test_muon_state_resumes_from_a_dcp_checkpoint_on_the_same_and_another_layout(launched, single, run):
-    # fsdp2 x2 saves after step 3 (Muon momentum Shard(0) over 2 ranks); resumed by fsdp2 x2, or by
-    # HSDP over the same ranks (momentum replicated): the steps after equal one uninterrupted process's
-    one, at = single["auto+fp32"], muon_worker.RESUME_AT
+    # A mixture of experts under fsdp2 x2 saves after step 3 (ShardedMuon's and ExpertMuon's momenta
+    # Shard(0) over 2 ranks); resumed by fsdp2 x2, or by HSDP over the same ranks (momenta
+    # replicated): the steps after equal one uninterrupted process's, and on the same layout the
+    # uninterrupted run's to the bit
+    one, at = single["moe_auto+fp32"], muon_worker.RESUME_AT
     for rank in launched(WORKER, 2)[run]:
-        assert rank["global_step"] == muon_worker.STEPS and rank["muon"] == "ShardedMuon"
+        assert rank["global_step"] == muon_worker.STEPS
+        assert rank["muon"] == ["ShardedMuon", "ExpertMuon", "AdamW"]
+        assert rank["momenta"] == sum(len(w) for w in one["weights"][:1])  # every Muon matrix and stack
         assert rank["losses"] == pytest.approx(one["losses"][at:], abs=1e-5)
         assert max(_max_weight_diffs(rank, {"weights": one["weights"][at:]})) <= 1e-5
         expected = "(Shard(dim=0),)" if run == "resume" else "(Replicate(), Shard(dim=0))"
         assert rank["momentum_placements"] == [expected], rank["momentum_placements"]
+        if run == "resume":
+            assert rank["losses"] == rank["uninterrupted"]["losses"][at:]
+            assert rank["weights"] == rank["uninterrupted"]["weights"][at:]
