@@ -24,16 +24,24 @@ dp_shard4: the attention and router matrices on ShardedMuon, each routed expert'
 ``ExpertMuon`` where the expert lives).
 """
 
+import os
+
 import numpy as np
 import pytest
 
 import muon_worker
 from dist_utils import in_this_process
 
+# The layouts run on 2 ranks also on 4 (ZeRO-2, cp2 x dp_shard2, CPU offload, float8): an extended run
+# (LDT_MUON_EXTENDED=1), not collected otherwise (the suite's time budget), as the fault-tolerance
+# tests' extended layouts; the exchange itself is tested on 4 ranks in tests/parallel/test_muon_owner.py.
+EXTENDED = os.environ.get("LDT_MUON_EXTENDED") == "1"
+EXTENDED_FOUR = ["fsdp2_zero2+fp32", "cp2dp2+fp32", "offload+fp32", "fsdp2_float8+fp32"]
 # launched by conftest.py
 WORKER, LAUNCH = "muon_worker", {2: ["fsdp2", "fsdp2+fp32", "fsdp2_zero2+fp32", "tp2+fp32", "resume", "reshard",
                                      "pp2+fp32", "cp2+fp32", "offload+fp32", "moe_ep2+fp32", "fsdp2_float8+fp32"],
-                                 4: ["hsdp2x2+fp32", "fsdp2tp2x2+fp32", "pp2fsdp2+fp32", "moe_ep2fsdp4+fp32"]}
+                                 4: ["hsdp2x2+fp32", "fsdp2tp2x2+fp32", "pp2fsdp2+fp32", "moe_ep2fsdp4+fp32",
+                                     *(EXTENDED_FOUR if EXTENDED else [])]}
 # what NDParallelStrategy gives the blocks' matrices with tp=2 (dp_shard=1 or 2): row-parallel wo / w2 and
 # column-parallel wq / wk / wv / w1 (FSDP2 over TP's strided rows)
 TP_PLACEMENTS = ["(Shard(dim=0), Shard(dim=1))", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
@@ -75,6 +83,7 @@ def test_fp32_muon_under_fsdp_and_tp_equals_one_process_at_every_step(launched, 
 
 
 @pytest.mark.parametrize(("devices", "run", "per_step"), [
+    *([(4, "fsdp2_zero2+fp32", 2), (4, "cp2dp2+fp32", 2), (4, "offload+fp32", 2)] if EXTENDED else []),
     (2, "pp2+fp32", 0),  # each stage its layers' matrices, whole (dp_shard=1): no exchange
     (2, "cp2+fp32", 2), (2, "offload+fp32", 2),  # FSDP2 over dp_shard x cp; FSDP2 with CPU-offloaded shards
     (2, "moe_ep2+fp32", 2),  # MoE: attention and router matrices exchanged; the experts' stacks locally
@@ -89,13 +98,14 @@ def test_fp32_muon_under_pp_cp_offload_and_ep_equals_one_process_at_every_step(l
         assert rank["collectives"] == [per_step] * muon_worker.STEPS
 
 
-def test_muon_with_float8_linears_under_fsdp2_trains_as_one_process(launched, single):
+@pytest.mark.parametrize("devices", [2, *([4] if EXTENDED else [])])
+def test_muon_with_float8_linears_under_fsdp2_trains_as_one_process(launched, single, devices):
     # torchao's float8 Linears, FSDP2 gathering their weights in float8: not bit-exact against one
     # process by design (each rank scales its activations by their amax over its half of the batch;
     # tests/callbacks/test_float8.py holds AdamW to the same 5e-3), and Muon orthogonalises what
     # comes out of that: the owner path takes the float8 weights' DTensors as any others
     one = single["auto_float8+fp32"]
-    for rank in launched(WORKER, 2)["fsdp2_float8+fp32"]:
+    for rank in launched(WORKER, devices)["fsdp2_float8+fp32"]:
         assert rank["muon"] == "ShardedMuon" and rank["collectives"] == [2] * muon_worker.STEPS
         assert rank["losses"] == pytest.approx(one["losses"], rel=5e-3)
         assert rank["losses"] != pytest.approx(single["auto+fp32"]["losses"], abs=1e-5)  # float8 did run
