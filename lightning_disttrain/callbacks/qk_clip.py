@@ -88,14 +88,25 @@ class QKClip(pl.Callback):
         self._attention = [m for m in pl_module.modules() if isinstance(m, CausalSelfAttention)]
         for attn in self._attention:
             attn.track_max_logit, attn.max_logit = True, None
-        self._hooks = [opt.register_step_post_hook(self._after_step) for opt in trainer.optimizers]
+        # the optimizer that steps the query weights (one per rank: each rank's own, its stage's under a
+        # pipeline), so the clip and its all-reduce run once per step on every rank alike
+        queries = {id(a.wq.weight) for a in self._attention}
+        owners = [opt for opt in trainer.optimizers
+                  if any(id(p) in queries for group in opt.param_groups for p in group["params"])]
+        self._hooks = [opt.register_step_post_hook(self._after_step) for opt in (owners or trainer.optimizers)[:1]]
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _stop(self) -> None:
         for attn in self._attention:
             attn.track_max_logit, attn.max_logit = False, None
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop()  # the attention stops recording and the optimizer hook goes
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop()  # a fit that raised: no extra Q K^T in the model's later forwards
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -153,16 +164,23 @@ def clip_heads_(attn: CausalSelfAttention, gamma: torch.Tensor) -> None:
 
 
 def _scale_rows_(linear: torch.nn.Linear, row_scale: torch.Tensor) -> None:
+    """Multiply each row of ``linear``'s weight (and bias) by ``row_scale``, on each rank's own rows:
+    a sharded weight's local rows of the scale come from ``distribute_tensor`` with its placements
+    (no communication; a split of the columns does not change a row's scale), applied to the local
+    shard wherever it lives (host memory under CPU offload)."""
     for param, shape in ((linear.weight, (-1, 1)), (linear.bias, (-1,))):
         if param is None:
             continue
-        if isinstance(param, DTensor):  # a sharded weight: DTensor takes this rank's rows of the scale
+        if isinstance(param, DTensor):
             mesh = param.device_mesh
-            scale = distribute_tensor(row_scale.view(shape).to(param.to_local().device, param.dtype), mesh,
-                                      [Replicate()] * mesh.ndim, src_data_rank=None)
+            rows = [Replicate() if not isinstance(p, Replicate) and getattr(p, "dim", None) == 1 else p
+                    for p in param.placements]
+            scale = distribute_tensor(row_scale.view(shape).to(mesh.device_type), mesh, rows,
+                                      src_data_rank=None).to_local()
+            local = param.to_local()
+            local.mul_(scale.to(local.device, local.dtype))
         else:
-            scale = row_scale.view(shape).to(param.device, param.dtype)
-        param.mul_(scale)
+            param.mul_(row_scale.view(shape).to(param.device, param.dtype))
 
 
 def _tp_rank(weight: torch.Tensor) -> int:

@@ -23,12 +23,16 @@ from lightning_disttrain.models.ring_attention import Shift, ring_blocks
 
 CHUNK_ELEMENTS = 1 << 24
 """At most this many scores (fp32 after the max) at once: 64 MiB of fp32."""
+MIN_ROWS = 128
+"""Query rows per tile at least (long sequences tile the keys instead), so a 128k-token sequence
+takes hundreds of tiles per layer, not tens of thousands."""
 
 
 def block_max_logit(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     """Per query head, the largest ``scale * q . k`` of the block (float32, shape ``(H,)``);
     ``q``: (B, H, Tq, D), ``k``: (B, H_kv, Tk, D) with H a multiple of H_kv. ``causal``: query row
-    i sees keys 0..i only (a diagonal block: Tq == Tk)."""
+    i sees keys 0..i only (a diagonal block: Tq == Tk). Tiled over query rows and keys so that a
+    tile holds about ``CHUNK_ELEMENTS`` scores; keys after a causal tile's last row are skipped."""
     b, h, tq, d = q.shape
     kv = k.size(1)
     if h % kv:
@@ -38,16 +42,19 @@ def block_max_logit(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float
     qg = q.unflatten(1, (kv, h // kv))  # (B, H_kv, G, Tq, D): query head kv*G + g uses key head kv
     kt = k.unsqueeze(2).transpose(-1, -2)  # (B, H_kv, 1, D, Tk)
     tk = k.size(2)
-    rows = max(1, CHUNK_ELEMENTS // max(1, b * h * tk))
+    rows = min(tq, max(MIN_ROWS, CHUNK_ELEMENTS // max(1, b * h * tk))) if tq else 1
+    cols = max(1, CHUNK_ELEMENTS // max(1, b * h * rows))
     best = torch.full((h,), -math.inf, dtype=torch.float32, device=q.device)
     with torch.no_grad():
         for start in range(0, tq, rows):
             stop = min(tq, start + rows)
-            scores = torch.matmul(qg[..., start:stop, :], kt).float()  # (B, H_kv, G, rows, Tk)
-            if causal:
-                i = torch.arange(start, stop, device=q.device).unsqueeze(1)
-                scores.masked_fill_(torch.arange(tk, device=q.device) > i, -math.inf)
-            best = torch.maximum(best, scores.amax(dim=(0, 3, 4)).flatten())
+            for first in range(0, stop if causal else tk, cols):
+                last = min(stop if causal else tk, first + cols)
+                scores = torch.matmul(qg[..., start:stop, :], kt[..., first:last]).float()  # (B, H_kv, G, r, c)
+                if causal and last - 1 > start:  # some key after some row's own position
+                    i = torch.arange(start, stop, device=q.device).unsqueeze(1)
+                    scores.masked_fill_(torch.arange(first, last, device=q.device) > i, -math.inf)
+                best = torch.maximum(best, scores.amax(dim=(0, 3, 4)).flatten())
     return best * scale
 
 

@@ -6,7 +6,9 @@ fixed batch, computed in one process from the gathered weights.
     python multi_worker.py OUT_DIR DEVICES qk_clip_worker:RUN
 
 RUN: ``one`` / ``one_noclip`` (one process, with / without the clip), ``one_muon`` (MuonClip, one
-process), ``tp2``, ``cp2``, ``pp2``, ``fsdp2``, ``fsdp2_muon`` (2 ranks), ``fsdp2_tp2`` (4 ranks).
+process), ``tp2``, ``cp2``, ``pp2``, ``fsdp2``, ``fsdp2_muon`` (2 ranks); ``fsdp2_tp2`` (4 ranks) and
+its reference ``one_mha``: multi-head attention with biases (the key rows scaled too);
+``fsdp2_accum`` (2 ranks) and ``one_accum``: two micro-batches per optimizer step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from lightning_disttrain.strategies import NDParallelStrategy
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB, TAU = 8, 8, 16, 64, 0.25
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, block_size=SEQ, dropout=0.0, tie_embeddings=False)  # pp2: untied
-STRATEGIES = {"tp2": dict(tp=2), "cp2": dict(cp=2, dp_shard=1), "fsdp2": dict(dp_shard=2),
+MHA = dict(MODEL, n_kv_head=4, bias=True)
+ACCUMULATE = 2
+STRATEGIES = {"tp2": dict(tp=2), "cp2": dict(cp=2, dp_shard=1), "fsdp2": dict(dp_shard=2), "fsdp2_accum": dict(dp_shard=2),
               "fsdp2_muon": dict(dp_shard=2), "fsdp2_tp2": dict(dp_shard=2, tp=2),
               "pp2": dict(pp=2, pp_schedule="1F1B", pp_microbatches=2)}
 
@@ -46,7 +50,7 @@ class Steps(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(trainer.callback_metrics["train/loss"].item())
-        if self.clip is not None:
+        if self.clip is not None and trainer.global_step > len(self.max_logits):  # an optimizer step ended
             self.max_logits.append(self.clip.max_logit)
             self.clipped.append(self.clip.clipped_heads)
 
@@ -56,7 +60,7 @@ class Module(GPTModule):
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
         ds = dataset()
         sampler = DistributedSampler(ds, shuffle=False, **kwargs) if kwargs else None
-        micro = GLOBAL_BATCH // (kwargs["num_replicas"] if kwargs else 1)
+        micro = GLOBAL_BATCH // (kwargs["num_replicas"] if kwargs else 1) // self.accumulate
         return DataLoader(ds, batch_size=micro, sampler=sampler, shuffle=False)
 
     def configure_optimizers(self):
@@ -92,13 +96,16 @@ def max_logits_of(model, state: dict | None) -> list[list[float]]:
 def fit_run(run: str, devices: int) -> dict:
     clip = None if run == "one_noclip" else QKClip(tau=TAU)
     optimizer = "muon" if run.endswith("muon") else "adamw"
+    accumulate = ACCUMULATE if run.endswith("accum") else 1
     L.seed_everything(0)
     module = Module("tiny", vocab_size=VOCAB, optimizer=optimizer, lr=2e-2, muon_lr=0.1, warmup_steps=0,
-                    model_overrides=MODEL)
+                    model_overrides=MHA if run in ("fsdp2_tp2", "one_mha") else MODEL)
+    module.accumulate = accumulate
     steps = Steps(clip)
     strategy = NDParallelStrategy(**STRATEGIES[run]) if devices > 1 else "auto"
     trainer = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS,
                         callbacks=[c for c in (clip, steps) if c is not None], logger=False, log_every_n_steps=1,
+                        accumulate_grad_batches=accumulate,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, num_sanity_val_steps=0)
     trainer.fit(module)

@@ -21,7 +21,8 @@ from lightning_disttrain.models.context_parallel import local_positions
 from lightning_disttrain.models.gpt import GPT, GPTConfig
 from lightning_disttrain.models.ring_attention import LocalRing
 
-WORKER, LAUNCH = "qk_clip_worker", {2: ["tp2", "cp2", "pp2", "fsdp2", "fsdp2_muon"], 4: ["fsdp2_tp2"]}  # the suite's launches
+WORKER, LAUNCH = "qk_clip_worker", {2: ["tp2", "cp2", "pp2", "fsdp2", "fsdp2_muon", "fsdp2_accum"],
+                                    4: ["fsdp2_tp2"]}  # the suite's launches
 
 
 def _explicit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -32,13 +33,14 @@ def _explicit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_max_logit_equals_the_explicit_score_matrix_in_row_chunks(monkeypatch, kv_heads):
+@pytest.mark.parametrize(("chunk", "min_rows"), [(1 << 24, 128), (50, 1), (50, 5), (400, 3)])
+def test_max_logit_equals_the_explicit_score_matrix_in_tiles(monkeypatch, kv_heads, chunk, min_rows):
+    # one tile; a row and a key per tile; 5 rows x keys one at a time; 3 rows x 4-key tiles
     torch.manual_seed(0)
     q, k = torch.randn(2, 4, 12, 8), torch.randn(2, kv_heads, 12, 8)
-    expected = _explicit(q, k)
-    assert torch.allclose(max_logit.causal_max_logit(q, k), expected, atol=1e-6)
-    monkeypatch.setattr(max_logit, "CHUNK_ELEMENTS", 50)  # a row or two per chunk
-    assert torch.allclose(max_logit.causal_max_logit(q, k), expected, atol=1e-6)
+    monkeypatch.setattr(max_logit, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(max_logit, "MIN_ROWS", min_rows)
+    assert torch.allclose(max_logit.causal_max_logit(q, k), _explicit(q, k), atol=1e-6)
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
@@ -113,7 +115,8 @@ def test_qk_norm_is_refused_before_any_step():
 
 @pytest.fixture(scope="module")
 def single():
-    return {run: in_this_process(worker.fit_run, run, 1) for run in ("one", "one_noclip", "one_muon")}
+    return {run: in_this_process(worker.fit_run, run, 1)
+            for run in ("one", "one_noclip", "one_muon", "one_mha", "one_accum")}
 
 
 def test_the_clip_bounds_the_logits_where_the_unclipped_run_passes_tau(single):
@@ -126,20 +129,24 @@ def test_the_clip_bounds_the_logits_where_the_unclipped_run_passes_tau(single):
     muon = single["one_muon"]  # MuonClip
     assert sum(muon["clipped"]) > 0 and max(max(h) for h in muon["final"]) <= 1.2 * tau
     assert all(run["tracking_off"] for run in single.values())  # fit's end turns the recording off
+    for reference in ("one_mha", "one_accum"):  # the layouts' other references clip too
+        assert sum(single[reference]["clipped"]) > 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("devices", "run"), [(2, "tp2"), (2, "cp2"), (2, "pp2"), (2, "fsdp2"), (2, "fsdp2_muon"),
-                                              (4, "fsdp2_tp2")])
+                                              (2, "fsdp2_accum"), (4, "fsdp2_tp2")])
 def test_the_clip_under_each_layout_equals_one_process(launched, single, devices, run):
     # tp2: each rank its two heads (one key head each); cp2: each rank's queries over the key ring;
     # pp2: each stage its layer; fsdp2: each rank half the data, its rows of the weights; fsdp2_tp2:
-    # FSDP2 over tensor parallel (the query rows _StridedShard over dp, Shard over tp)
+    # FSDP2 over tensor parallel (the query rows _StridedShard over dp, Shard over tp), multi-head
+    # attention with biases (query and key rows, weights and biases, scaled); fsdp2_accum: two
+    # micro-batches per optimizer step (one clip per step, over both micro-batches' logits)
     # The losses agree to fp32 rounding (1e-5); the logits, products of the query and key weights, to
     # 5e-4 relative: AdamW's first steps are sign-like (m / sqrt(v) = sign(g)), so a weight whose
     # gradient is at the rounding level moves by +-lr depending on the order of a sum (measured
     # 0.4-2.1e-4 over these layouts; Muon 0.7e-4).
-    one = single["one_muon" if run.endswith("muon") else "one"]
+    one = single[{"fsdp2_muon": "one_muon", "fsdp2_tp2": "one_mha", "fsdp2_accum": "one_accum"}.get(run, "one")]
     for rank in launched(WORKER, devices)[run]:
         assert rank["losses"] == pytest.approx(one["losses"], abs=1e-5)
         assert rank["max_logits"] == pytest.approx(one["max_logits"], rel=5e-4)
