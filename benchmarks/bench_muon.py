@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import add_record_options, provenance, write_record  # noqa: E402
+from record import add_record_options, provenance, record_path, wants_record, write_record  # noqa: E402
 
 VOCAB, SEQ, MICRO = 256, 64, 2
 COMPUTED_MODELS = ("gpt2-1558m", "llama3-70b")
@@ -137,9 +137,9 @@ def measured_main(args: argparse.Namespace) -> None:
                       f"{max(v['ns_flops_per_rank']) / 1e9:7.3f} (total {v['ns_flops_total'] / 1e9:.3f}, /ranks "
                       f"{v['ns_flops_mean'] / 1e9:.3f})  step ms median {v['median_ms']:8.1f} min {v['min_ms']:8.1f}",
                       flush=True)
-    if rank == 0 and args.record:
-        write_record(measured_record(runs, args.steps, world), args.record, args.plot, args.format,
-                     append="runs" if args.append else None)
+    if rank == 0 and wants_record(args):
+        write_record(measured_record(runs, args.steps, world), record_path(args, "bench_muon.json"), args.plot,
+                     args.format, append="runs" if args.append else None)
     dist.destroy_process_group()
     # Not the interpreter's finalisation: there gloo groups still referenced by the meshes are
     # destroyed with a joinable thread and a rank can abort ("terminate called without an active
@@ -168,10 +168,9 @@ def measured_record(runs: list[dict], steps: int, world: int) -> dict:
 # ---- computed --------------------------------------------------------------------------------------
 
 def computed_rows() -> list[dict]:
-    from lightning_disttrain.parallel.muon import owner_plan
     from lightning_disttrain.planning import Cluster, Layout, Workload, config_for, shape_of
     from lightning_disttrain.planning.model_shape import newton_schulz_flops
-    from lightning_disttrain.planning.throughput import step_terms
+    from lightning_disttrain.planning.throughput import busiest_muon_owner, step_terms
 
     rows = []
     for model in COMPUTED_MODELS:
@@ -181,25 +180,20 @@ def computed_rows() -> list[dict]:
         elements = sum(r * c for r, c in matrices)
         total = sum(newton_schulz_flops(r, c) for r, c in matrices)
         for ranks in COMPUTED_RANKS:
+            busiest, owned = busiest_muon_owner(shape, range(shape.n_layer), ranks)  # as ShardedMuon places them
+            piece = elements / ranks  # this rank's pieces (1/(n tp) of every matrix)
+            crossing = max(piece, owned) * (1 - 1 / ranks)
             for tp in (1, 8):
                 n = ranks // tp
-                load, owned = [0.0] * ranks, [0] * ranks
-                for (r, c), o in zip(matrices, owner_plan(matrices, ranks)):
-                    load[o] += newton_schulz_flops(r, c)
-                    owned[o] += r * c
-                busiest = max(range(ranks), key=lambda o: load[o])
-                piece = elements / ranks  # this rank's pieces (1/(n tp) of every matrix)
-                crossing = max(piece, owned[busiest]) * (1 - 1 / ranks)
                 layout = Layout(dp_shard=n, tp=tp, zero=3, ac="full")
-                cluster = Cluster("H100 SXM", 8, ranks // 8)
-                workload = Workload(seq, ranks, 1, "bf16", optimizer="muon")
-                terms = step_terms(shape, layout, workload, cluster)
+                terms = step_terms(shape, layout, Workload(seq, ranks, 1, "bf16", optimizer="muon"),
+                                   Cluster("H100 SXM", 8, ranks // 8))
                 rows.append({"model": model, "ranks": ranks, "layout": f"FSDP2 x{n}" + (f" x TP{tp}" if tp > 1 else ""),
                              "matrices": len(matrices), "matrix_elements": elements,
                              "collectives_per_bucket": 2 * (1 + (tp > 1)),
                              "ns_flops_total": total, "ns_flops_mean": total / ranks,
-                             "ns_flops_busiest": load[busiest], "ranks_owning": sum(1 for x in owned if x),
-                             "piece_bytes": 2 * piece, "busiest_owned_bytes": 2 * owned[busiest],
+                             "ns_flops_busiest": busiest, "ranks_owning": min(len(matrices), ranks),
+                             "piece_bytes": 2 * piece, "busiest_owned_bytes": 2 * owned,
                              "bytes_each_way_busiest": 2 * crossing,
                              "planned_muon_s": terms.terms["muon"], "planned_step_s": terms.step_seconds})
     return rows

@@ -74,13 +74,17 @@ class GPTModule(L.LightningModule):
             the ``moe_*`` fields make a mixture of experts (``{"moe_num_experts": 8, "moe_top_k": 2}``):
             its auxiliary losses join the training loss, its balancing bias moves after each
             optimizer step, and ``moe/layer{i}/...`` metrics are logged.
-        optimizer: ``"adamw"`` or ``"muon"`` (Muon on the blocks' 2-D matrices, AdamW elsewhere).
+        optimizer: ``"adamw"`` or ``"muon"`` (Muon on the blocks' 2-D matrices and the routed
+            experts' stacks, AdamW elsewhere; docs/guides/muon.md).
         lr: AdamW peak learning rate.
         weight_decay: applied to 2-D weights only (also Muon's weight decay).
         betas: AdamW's moment decay rates ``(beta1, beta2)``.
         eps: AdamW's denominator term.
         muon_lr: Muon's peak learning rate (``optimizer="muon"`` only).
         muon_momentum: Muon's momentum (Nesterov) coefficient.
+        muon_experts: with ``optimizer="muon"`` and a mixture of experts, the routed experts'
+            stacks train with Muon (``ExpertMuon``, each expert's matrix on its own); False keeps
+            them on AdamW, as before 2026-12-04 (to resume such a run's checkpoint).
         schedule: ``"cosine"`` (warmup then cosine to ``min_lr_ratio``), ``"wsd"``
             (warmup-stable-decay, decaying over the last ``decay_fraction``) or ``"constant"``.
         warmup_steps: optimizer steps of linear warm-up from ``lr / warmup_steps`` to ``lr``
@@ -143,6 +147,7 @@ class GPTModule(L.LightningModule):
         eps: float = 1e-8,
         muon_lr: float = 0.02,
         muon_momentum: float = 0.95,
+        muon_experts: bool = True,
         schedule: str = "cosine",
         warmup_steps: int = 0,
         max_steps: int | None = None,
@@ -491,7 +496,7 @@ class GPTModule(L.LightningModule):
         hp = self.hparams
         optimizer = build_optimizer(
             self, hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), eps=hp.eps,
-            muon_lr=hp.muon_lr, muon_momentum=hp.muon_momentum)
+            muon_lr=hp.muon_lr, muon_momentum=hp.muon_momentum, muon_experts=hp.get("muon_experts", True))
         total = hp.max_steps or int(self.trainer.estimated_stepping_batches)
         if not math.isfinite(total) or total <= 0:
             raise ValueError("set Trainer(max_steps=...) or GPTModule(max_steps=...) so the LR schedule knows its length")

@@ -28,6 +28,10 @@ from lightning_disttrain.parallel.expert_muon import ExpertMuon, expert_layout_p
 from lightning_disttrain.parallel.muon import ShardedMuon, sharded_layout_problem
 
 OPTIMIZERS = ("adamw", "muon")
+OPTIMIZER_CHANGED = ("the optimizer changed since the checkpoint was saved. A mixture of experts trained with "
+                     "optimizer='muon' and saved before 2026-12-04 (its experts' stacks on AdamW) resumes with "
+                     "GPTModule(muon_experts=False); otherwise configure the optimizer the checkpoint was saved with")
+"""What a resume whose optimizer state does not match the checkpoint's says to do."""
 SCHEDULES = ("cosine", "wsd", "constant")
 
 
@@ -82,7 +86,8 @@ class HybridOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         parts = state_dict["optimizers"]
         if len(parts) != len(self.optimizers):
-            raise ValueError(f"checkpoint holds {len(parts)} optimizers, this run has {len(self.optimizers)}")
+            raise ValueError(f"checkpoint holds {len(parts)} optimizers, this run has {len(self.optimizers)} "
+                             f"({self!r}): {OPTIMIZER_CHANGED}")
         for opt, sd in zip(self.optimizers, parts):
             opt.load_state_dict(sd)
 
@@ -124,14 +129,14 @@ def build_adamw(named: list[tuple[str, nn.Parameter]], lr: float, weight_decay: 
 
 def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 6e-4, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, muon_lr: float = 0.02,
-                    muon_momentum: float = 0.95, hidden_matrices: Callable[[str, nn.Parameter], bool] | None = None
-                    ) -> Optimizer:
+                    muon_momentum: float = 0.95, hidden_matrices: Callable[[str, nn.Parameter], bool] | None = None,
+                    muon_experts: bool = True) -> Optimizer:
     """The optimizer ``GPTModule`` trains with.
 
     ``hidden_matrices(name, param)`` picks Muon's parameters; by default the 2-D weights inside
     ``blocks`` and the routed experts' ``(experts, rows, cols)`` stacks (not the embedding, head,
-    norms or biases). Parts, in order: the matrices' Muon, the experts' (``ExpertMuon``, with a
-    mixture of experts), AdamW.
+    norms or biases); ``muon_experts=False`` leaves the stacks to AdamW. Parts, in order: the
+    matrices' Muon, the experts' (``ExpertMuon``, with a mixture of experts), AdamW.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}")
@@ -149,7 +154,7 @@ def build_optimizer(model: nn.Module, name: str = "adamw", *, lr: float = 6e-4, 
                          f"stacks of them; return False for the others (they train with AdamW)")
     # adjust_lr_fn="match_rms_adamw" scales Muon's update to AdamW's RMS so one weight decay fits both.
     muon_kwargs = dict(lr=muon_lr, weight_decay=weight_decay, momentum=muon_momentum, adjust_lr_fn="match_rms_adamw")
-    experts = [(n, p) for n, p in chosen if p.dim() == 3]
+    experts = [(n, p) for n, p in chosen if p.dim() == 3] if muon_experts else []
     refused = {n: why for n, p in experts if (why := expert_layout_problem(p))}
     if refused:
         name, why = next(iter(refused.items()))

@@ -638,9 +638,17 @@ def load_sharded(path: str | os.PathLike, module: torch.nn.Module, optimizers: l
         key = optimizer_key(index)
         options = optimizer_state_options(flatten=f"{key}.param_groups.0.params" not in every_key)
         optim_state = {key: get_optimizer_state_dict(module, parts, options=options)}
-        with _load_errors():
-            dcp.load(optim_state, checkpoint_id=path, process_group=comm.group,
-                     storage_reader=_reader_for(path, trust_checkpoint))
+        try:
+            with _load_errors():
+                dcp.load(optim_state, checkpoint_id=path, process_group=comm.group,
+                         storage_reader=_reader_for(path, trust_checkpoint))
+        except BaseException as err:  # DCP's CheckpointException is one (raised on every rank)
+            if "Missing key in checkpoint state_dict" not in str(err):
+                raise
+            from lightning_disttrain.optim import OPTIMIZER_CHANGED
+
+            raise ValueError(f"checkpoint {str(path)!r}: this run's optimizer state has entries the checkpoint "
+                             f"lacks ({err}): {OPTIMIZER_CHANGED}") from err
         set_optimizer_state_dict(module, parts, optim_state_dict=optim_state[key], options=options)
 
 

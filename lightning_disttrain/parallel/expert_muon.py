@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_disttrain import _torch_compat as torch_compat
-from lightning_disttrain.parallel.muon import NS_DTYPE, adjusted_lr, newton_schulz
+from lightning_disttrain.parallel.muon import NS_DTYPE, _local, adjusted_lr, momentum_update, newton_schulz
 
 DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
                 eps=1e-7, ns_steps=5, adjust_lr_fn=None)
@@ -81,19 +81,13 @@ class ExpertMuon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-                buf.lerp_(grad, 1 - group["momentum"])
-                update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                update = momentum_update(self.state[p], p.grad, group["momentum"], group["nesterov"])
                 local = _local(p)
                 step = adjusted_lr(lr, group["adjust_lr_fn"], p.shape[1:])
-                for e in range(local.size(0)):  # this rank's experts (possibly none), each a matrix
+                # this rank's experts (possibly none), each a matrix: one iteration per expert, as
+                # torch's Muon would run it (a batched iteration would be faster, not bitwise the same)
+                for e in range(local.size(0)):
                     local[e].mul_(1 - lr * wd)
                     local[e].add_(newton_schulz(update[e], *ns), alpha=-step)
         return loss
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

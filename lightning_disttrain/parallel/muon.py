@@ -91,6 +91,17 @@ def newton_schulz(update: torch.Tensor, ns_coefficients: tuple[float, float, flo
     return x.T if tall else x
 
 
+def momentum_update(state: dict, grad: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """torch.optim.Muon's momentum step on this rank's piece (elementwise, so as on the whole
+    matrix): the ``momentum_buffer`` in ``state`` (created like ``grad``) moves towards the gradient;
+    returns the update to orthogonalise (Nesterov's, or the buffer itself)."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+    local, buf = _local(grad), _local(state["momentum_buffer"])
+    buf.lerp_(local, 1 - momentum)
+    return local.lerp(buf, momentum) if nesterov else buf
+
+
 def newton_schulz_cost(shape: tuple[int, int], ns_steps: int = 5) -> int:
     """The iteration's work on a matrix of ``shape``, the unit owners are balanced in:
     min(m, n)^2 x max(m, n) per iteration (its FLOPs are 4x that plus 2 min^3)."""
@@ -308,12 +319,7 @@ class ShardedMuon(torch.optim.Muon):
                 continue
             if torch.is_complex(p):
                 raise RuntimeError("Muon does not support complex parameters")
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-            buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buf, momentum) if nesterov else buf
+            update = momentum_update(self.state[p], p.grad, momentum, nesterov)
             groups = tuple(p.device_mesh.get_group(d) for d in self._layout(p).dims) if isinstance(p, DTensor) else ()
             rpg = _replica_group(p)
             if not groups and rpg is None:  # the whole matrix is here (one process, DDP, 1-rank or replicated mesh)

@@ -105,9 +105,9 @@ class ModelShape:
     pos_emb: str = "learned"
     """``GPTConfig.pos_emb``: ``rope`` models keep tables the looped pipeline schedules cannot run with yet."""
     layer_matrices: tuple[tuple[tuple[int, int], ...], ...] = ()
-    """Per block, the (rows, cols) of its 2-D weights: what ``optimizer="muon"`` orthogonalises
-    (``optim.build_optimizer``: the blocks' 2-D weights; the routed experts' 3-D stacks, norms and
-    biases take AdamW); (): none counted."""
+    """Per block, the (rows, cols) of its 2-D weights: what ``optimizer="muon"`` orthogonalises on
+    owner ranks (``optim.build_optimizer``: the blocks' 2-D weights; the routed experts' 3-D stacks
+    take ``ExpertMuon``, counted from ``expert_params``; norms and biases take AdamW); (): none counted."""
 
     def muon_params_of_layer(self, layer: int) -> int:
         """Elements of block ``layer``'s Muon matrices."""

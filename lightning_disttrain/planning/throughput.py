@@ -245,21 +245,24 @@ def muon_step_seconds(shape: ModelShape, layout: Layout, flops_per_s: float, ban
     (``ShardedMuon``: the ``dp_shard x cp`` ranks that shard it, times the ``tp`` ranks that split
     it, and, under HSDP, the ``dp_replicate`` replicas too), placed as ``ShardedMuon`` places them
     (``owner_plan``: the busiest owner's FLOPs, at least the largest matrix's, not the mean), and
-    its routed experts' (``expert_newton_schulz_flops``), at ``flops_per_s``; its all-to-alls, not overlapped, bf16: to the owners and back, over the shard
-    group 2 x 2 B per element of what a rank sends or receives, the larger of its pieces (1/(n t)
-    of every matrix) and the busiest owner's matrices, (n - 1)/n of it crossing, at ``bandwidth``;
-    over the tp group the same with (t - 1)/t, at ``tp_bandwidth``; under HSDP one over the replica
+    its routed experts' (``expert_newton_schulz_flops``), at ``flops_per_s``; its all-to-alls, not
+    overlapped, bf16: to the owners and back, over the shard group 2 x 2 B per element of what a
+    rank sends or receives, the larger of its pieces (1/(n t) of every matrix) and the busiest
+    owner's matrices, (n - 1)/n of it crossing, at ``bandwidth``; over the tp group (the first
+    stage, where the owner's tp coordinate gathers 1/n of each of its matrices) the larger of the
+    pieces and 1/n of the owned, (t - 1)/t of it, at ``tp_bandwidth``; under HSDP one over the replica
     group (this rank's piece of the other replicas' results: 2 B per element of its 1/(n t),
     (r - 1)/r of it, at ``replica_bandwidth``)."""
     ranks = rank_stages(layout.pipeline, layout.pp, shape.n_layer)
-    layers = max((r.all_layers for r in ranks), key=lambda ls: sum(shape.newton_schulz_flops_of_layer(i) for i in ls))
+    layers = max((r.all_layers for r in ranks), key=lambda ls: sum(shape.newton_schulz_flops_of_layer(i) for i in ls)
+                 + expert_newton_schulz_flops(shape, ls, layout))
     n, t, r = layout.dp_shard * layout.cp, layout.tp, layout.dp_replicate
     flops, owned = busiest_muon_owner(shape, layers, n * t * r)
     flops += expert_newton_schulz_flops(shape, layers, layout)
     piece = sum(shape.muon_params_of_layer(i) for i in layers) / (n * t)  # elements of this rank's pieces
-    volume = max(piece, owned)
-    seconds = (flops / flops_per_s
-               + 2 * 2 * volume * (_ring(n) / bandwidth + _ring(t) / (tp_bandwidth or bandwidth)))
+    # the tp stage runs first: the owner's tp coordinate gathers 1/n of each of its matrices there
+    seconds = (flops / flops_per_s + 2 * 2 * (max(piece, owned) * _ring(n) / bandwidth
+                                              + max(piece, owned / n) * _ring(t) / (tp_bandwidth or bandwidth)))
     if r > 1:
         seconds += 2 * piece * _ring(r) / (replica_bandwidth or bandwidth)
     return seconds

@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from ckpt_helpers import Wrapper, dcp_state, save, train_a_bit
+from ckpt_helpers import VOCAB, Wrapper, dcp_state, save, train_a_bit
+from lightning_disttrain.models.gpt import GPT, GPTConfig
 from disk_full import fill_disk
 from torch.distributed.checkpoint import filesystem
 
@@ -269,6 +270,38 @@ def test_hybrid_optimizer_parts_round_trip(tmp_path, trained):
                         (q for g in new.param_groups for q in g["params"])):
             for key, value in old.state[p].items():
                 assert torch.equal(value, new.state[q][key]), key
+
+
+def test_a_moe_muon_checkpoint_from_before_expert_muon_says_how_to_resume(tmp_path):
+    # Before 2026-12-04 optimizer='muon' left a mixture of experts' stacks to AdamW (2 parts); now
+    # they take ExpertMuon (3 parts). The old checkpoint resumes with muon_experts=False, and the
+    # default run's load names that instead of DCP's bare missing key.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from lightning_disttrain.checkpoint.dcp_io import unwrap_optimizer
+    from lightning_disttrain.optim import build_optimizer
+
+    def moe(seed):
+        module = Wrapper(seed=seed)
+        module.model = GPT(GPTConfig.from_name("tiny-moe", vocab_size=VOCAB, n_layer=2))
+        return module
+
+    module = moe(0)
+    old = build_optimizer(module, "muon", muon_experts=False)
+    assert [type(p).__name__ for p in old.optimizers] == ["ShardedMuon", "AdamW"]
+    module.model(torch.randint(0, VOCAB, (2, 16))).float().square().mean().backward()
+    old.step()
+    state = {"state_dict": module.state_dict(), "optimizer_0": get_optimizer_state_dict(module, old.optimizers)}
+    CheckpointWriter().save(tmp_path / "old.ckpt", state, {})
+    now = moe(1)
+    with pytest.raises(ValueError, match=r"muon_experts=False"):
+        load_sharded(tmp_path / "old.ckpt", now, [unwrap_optimizer(build_optimizer(now, "muon"))], Comm())
+    with pytest.raises(ValueError, match=r"holds 2 optimizers, this run has 3 .*muon_experts=False"):
+        build_optimizer(now, "muon").load_state_dict({"optimizers": [o.state_dict() for o in old.optimizers]})
+    again = moe(2)
+    load_sharded(tmp_path / "old.ckpt", again, [unwrap_optimizer(build_optimizer(again, "muon", muon_experts=False))],
+                 Comm())
+    _assert_same(module, again)
 
 
 @pytest.mark.parametrize("version, pinned", [((2, 11), False), ((2, 13), True)])
