@@ -54,6 +54,7 @@ import contextlib
 import gc
 import io
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -240,6 +241,33 @@ def cpu_offload(shape: Shape, device: torch.device, steps: int) -> dict[str, Any
         out[key] = {"losses": r.losses, "median_step_s": sorted(r.step_s)[len(r.step_s) // 2],
                     "peak_alloc_gb": r.peak_alloc, "peak_reserved_gb": r.peak_reserved}
     return out | _loss_gap(runs[False].losses, runs[True].losses)
+
+
+def muon_clip(shape: Shape, device: torch.device, steps: int) -> dict[str, Any]:
+    """MuonClip on the device: ``optimizer="muon"`` (ShardedMuon on the 2-D matrices) with
+    ``QKClip`` at a tau the model's logits pass, with and without ``cpu_offload`` (the shards in host
+    memory, the mesh on the device: the clip multiplies each local shard where it lives). Checks:
+    the owner path ran, heads were clipped, the losses are finite, and offload trains as without."""
+    from lightning_disttrain.callbacks import QKClip
+
+    class Muon(GPTModule):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, optimizer="muon", **kwargs)
+
+    out: dict[str, Any] = {"model": shape.preset, "steps": steps}
+    losses = {}
+    for offload in (False, True):
+        clip = QKClip(tau=1e-3)  # every head passes it: every step clips every head (the code path)
+        r = _fit(shape, device, steps, module=shape.module(Muon), callbacks=[clip], cpu_offload=offload)
+        parts = [type(p).__name__ for p in r.trainer.optimizers[0].optimizers]
+        key = "offload" if offload else "no_offload"
+        max_logit, clipped = clip.last_step()  # the last step's (logged only every log_every_n_steps)
+        out[key] = {"optimizers": parts, "losses": r.losses, "max_logit": max_logit, "clipped_heads": clipped,
+                    "median_step_s": sorted(r.step_s)[len(r.step_s) // 2]}
+        if parts[0] != "ShardedMuon" or not clipped or not all(map(math.isfinite, r.losses)):
+            raise RuntimeError(f"muon_clip ({key}): optimizers {parts}, clipped {clipped}, losses {r.losses}")
+        losses[offload] = r.losses
+    return out | _loss_gap(losses[False], losses[True])
 
 
 class SaveEvery(L.Callback):
@@ -530,7 +558,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                4 if not args.smoke else 2, compiled=True),
              "memory_attribution": lambda: memory_attribution(shape, device),
              "memory_attribution_llama": lambda: memory_attribution(Shape.llama(args.smoke), device),
-             "ring_attention": lambda: gpu_ring.measure(device, args.smoke)}
+             "ring_attention": lambda: gpu_ring.measure(device, args.smoke),
+             "muon_clip": lambda: muon_clip(shape, device, 4 if not args.smoke else 3)}
     for name, estimate_s in SECTIONS.items():
         if name in args.sections:
             result = report.run(name, estimate_s, calls[name])
@@ -543,7 +572,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 SECTIONS = {"sac": 30, "sac_compiled": 60, "meta_init": 20, "cpu_offload": 35, "async_save": 35, "init_broadcast": 15, "plan_memory": 25,
-            "plan_memory_llama": 30, "plan_memory_llama_compiled": 45, "memory_attribution": 30, "memory_attribution_llama": 30, "ring_attention": 40}
+            "plan_memory_llama": 30, "plan_memory_llama_compiled": 45, "memory_attribution": 30, "memory_attribution_llama": 30, "ring_attention": 40,
+            "muon_clip": 40}
 """Section -> estimated seconds on one H200 (the time budget skips a section that would not fit)."""
 
 

@@ -21,6 +21,17 @@ from gpu_bench import fp8_comparison
 from gpu_report import SectionReport, merge_reports
 
 
+def test_muon_clip_section_runs_on_cpu_at_smoke_size():
+    # gpu_paths' muon_clip section, CPU: ShardedMuon and QKClip with and without cpu_offload (on a GPU
+    # the offloaded shards live on the host while the mesh is on the device)
+    import gpu_paths
+
+    result = gpu_paths.muon_clip(gpu_paths.Shape(smoke=True), torch.device("cpu"), 3)
+    for key in ("no_offload", "offload"):
+        assert result[key]["optimizers"][0] == "ShardedMuon" and result[key]["clipped_heads"] > 0
+    assert result["max_abs_loss_gap"] < 1e-4
+
+
 def test_ring_attention_cases_pass_on_cpu_at_smoke_size():
     # gpu_paths' ring_attention section, CPU's kernel: the checks hold and could fail (a case that
     # misses its tolerance raises)

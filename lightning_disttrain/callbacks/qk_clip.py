@@ -137,13 +137,20 @@ class QKClip(pl.Callback):
                 maxima[attn.layer, start:start + local.numel()] = local
         return comm.all_reduce(maxima, "max")
 
+    def last_step(self) -> tuple[float, int] | None:
+        """The last optimizer step's largest logit (before its clip) and how many heads it clipped,
+        read to the host now (on an accelerator: a sync); None before the first step."""
+        if self._step is None:
+            return None
+        return float(self._step[0]), int(self._step[1])
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._step is None or trainer.global_step == self._steps_before_batch:
             return  # a micro-batch of gradient accumulation: no step yet
         if not compat.loggers_write_step(trainer, trainer.global_step):
             return  # nothing read to the host at this step
-        self.max_logit, self.clipped_heads = float(self._step[0]), int(self._step[1])
+        self.max_logit, self.clipped_heads = self.last_step()
         metrics = {"attn/max_logit": self.max_logit, "attn/clipped_heads": float(self.clipped_heads)}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step - 1)  # the row of this step's train/loss
