@@ -25,8 +25,18 @@ def test_muon_clip_section_runs_on_cpu_at_smoke_size():
     # gpu_paths' muon_clip section, CPU: ShardedMuon and QKClip with and without cpu_offload (on a GPU
     # the offloaded shards live on the host while the mesh is on the device)
     import gpu_paths
+    import torch.distributed as dist
 
-    result = gpu_paths.muon_clip(gpu_paths.Shape(smoke=True), torch.device("cpu"), 3)
+    from dist_utils import in_this_process
+    from lightning_disttrain.parallel.mesh import release_all_meshes
+
+    try:
+        result = in_this_process(gpu_paths.muon_clip, gpu_paths.Shape(smoke=True), torch.device("cpu"), 3)
+    finally:  # its one-device NDParallelStrategy fits started a process group in this process
+        release_all_meshes()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert not dist.is_initialized()
     for key in ("no_offload", "offload"):
         assert result[key]["optimizers"][0] == "ShardedMuon" and result[key]["clipped_heads"] > 0
     assert result["max_abs_loss_gap"] < 1e-4
