@@ -30,13 +30,19 @@ def test_muon_clip_section_runs_on_cpu_at_smoke_size():
     from dist_utils import in_this_process
     from lightning_disttrain.parallel.mesh import release_all_meshes
 
+    environ = dict(os.environ)
     try:
         result = in_this_process(gpu_paths.muon_clip, gpu_paths.Shape(smoke=True), torch.device("cpu"), 3)
-    finally:  # its one-device NDParallelStrategy fits started a process group in this process
+    finally:
+        # its one-device NDParallelStrategy fits start a process group in this process and set
+        # Lightning's launch variables (LOCAL_RANK, MASTER_PORT, ...): left there, a later test's
+        # 2-rank command took itself for an already launched rank 0 and waited for a rank 1
         release_all_meshes()
         if dist.is_initialized():
             dist.destroy_process_group()
-    assert not dist.is_initialized()
+        os.environ.clear()
+        os.environ.update(environ)
+    assert not dist.is_initialized() and "LOCAL_RANK" not in os.environ
     for key in ("no_offload", "offload"):
         assert result[key]["optimizers"][0] == "ShardedMuon" and result[key]["clipped_heads"] > 0
     assert result["max_abs_loss_gap"] < 1e-4
