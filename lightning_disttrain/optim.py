@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_disttrain import _torch_compat as torch_compat
 from lightning_disttrain.parallel.expert_muon import ExpertMuon, expert_layout_problem
-from lightning_disttrain.parallel.muon import ShardedMuon, sharded_layout_problem
+from lightning_disttrain.parallel.muon import ShardedMuon, closure_loss, sharded_layout_problem
 
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZER_CHANGED = ("the optimizer changed since the checkpoint was saved. A mixture of experts trained with "
@@ -61,10 +61,7 @@ class HybridOptimizer(Optimizer):
     @Optimizer.profile_hook_step  # step pre/post hooks (global and registered) run, as for torch's optimizers
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for opt in self.optimizers:
             opt.step()
         return loss

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_disttrain import _torch_compat as torch_compat
-from lightning_disttrain.parallel.muon import NS_DTYPE, _local, adjusted_lr, momentum_update, newton_schulz
+from lightning_disttrain.parallel.muon import NS_DTYPE, _local, adjusted_lr, closure_loss, momentum_update, newton_schulz
 
 DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
                 eps=1e-7, ns_steps=5, adjust_lr_fn=None)
@@ -71,10 +71,7 @@ class ExpertMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, wd = float(group["lr"]), group["weight_decay"]
             ns = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)

@@ -91,6 +91,14 @@ def newton_schulz(update: torch.Tensor, ns_coefficients: tuple[float, float, flo
     return x.T if tall else x
 
 
+def closure_loss(closure) -> torch.Tensor | None:
+    """An optimizer step's ``closure()`` under grad mode (the step runs under ``no_grad``), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def momentum_update(state: dict, grad: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
     """torch.optim.Muon's momentum step on this rank's piece (elementwise, so as on the whole
     matrix): the ``momentum_buffer`` in ``state`` (created like ``grad``) moves towards the gradient;
@@ -301,10 +309,7 @@ class ShardedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             self._step_group(group)
         return loss
