@@ -44,6 +44,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_disttrain  # noqa: F401  (registers strategy names; callbacks importable by class_path)
 from lightning_disttrain import _lightning_compat as compat
 from lightning_disttrain import cli_hints as hints
+from lightning_disttrain import startup_signals
 from lightning_disttrain.rank_errors import ENV_TRACEBACK, RunErrors
 
 _TOOLS = {
@@ -395,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     # LightningCLI warns when given args while sys.argv has some too: pass ours only when they are
     # not sys.argv's (a call from Python).
     cli_args = None if argv is None else list(argv)
+    whole_process = argv is None  # the console script / `python -m`: this call is the process
     argv = list(sys.argv[1:] if argv is None else argv)
     _quiet_lightning(argv[0] if argv else None)
     if argv and argv[0] in _TOOLS:
@@ -424,6 +426,11 @@ def main(argv: list[str] | None = None) -> None:
         except (OSError, ValueError, AttributeError):  # no usable descriptor: run without it
             pass
     run_errors = RunErrors.for_this_process()
+    # A preemption signal before training starts (or after it, or in validate/test/predict) stops
+    # every rank at once with one line, instead of killing one process silently (startup_signals.py).
+    # As the whole process, the handlers stay until it exits (its shutdown included); a call from
+    # Python gives them back when it returns.
+    signals = startup_signals.install(run_errors.stopped)
     try:
         DistTrainCLI(args=cli_args, run_errors=run_errors, subcommand=argv[0] if argv else None)
     except Exception as exc:  # noqa: BLE001  (every error is reported, see rank_errors.py)
@@ -431,6 +438,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         run_errors.finish()
     finally:
+        if not whole_process:
+            startup_signals.uninstall(signals)
         run_errors.close()
 
 

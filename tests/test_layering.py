@@ -4,7 +4,7 @@ layer, and no two packages (or modules) import each other. There is no exception
 Layers, low to high (a module may import its own layer and the ones below; ``docs/architecture.md``,
 "Layout", says the same in words):
 
-0. foundation: ``comm.py`` (every collective), ``rank_errors.py``, ``young_daly.py`` (the
+0. foundation: ``comm.py`` (every collective), ``rank_errors.py``, ``startup_signals.py``, ``young_daly.py`` (the
    checkpoint-interval formula the planner and the cadence share), ``peak_flops.py`` (the chip
    table MFU and the planner share), ``_lightning_compat.py`` and ``_torch_compat.py`` (every use
    of a Lightning or torch private, see ``tests/test_private_seams.py``). Plain Python / torch /
@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     f"{PKG}.cli_hints": TOP,  # the "did you mean" of cli.py's parser errors
     f"{PKG}.comm": FOUNDATION,
     f"{PKG}.rank_errors": FOUNDATION,
+    f"{PKG}.startup_signals": FOUNDATION,
     f"{PKG}.young_daly": FOUNDATION,
     f"{PKG}.peak_flops": FOUNDATION,
     f"{PKG}._lightning_compat": FOUNDATION,

@@ -78,13 +78,88 @@ def test_a_rank_that_died_without_a_record_is_named_with_its_signal(monkeypatch)
     errors.trainer = SimpleNamespace(global_rank=0, strategy=SimpleNamespace(launcher=SimpleNamespace(procs=procs)))
     gone = Record.of(_raised(RuntimeError("Connection closed by peer")), 0)
     died = errors._died_without_a_record(errors._children(), [gone])
-    assert died == {1: -signal.SIGSEGV, 2: -signal.SIGKILL}  # rank 3 finished (exit 0): not a cause
+    # rank 3 exited 0 while rank 0 failed in communication: it had finished while rank 0 still waited
+    # for it in a collective (the ranks ran different collectives), so it is named too.
+    assert died == {1: -signal.SIGSEGV, 2: -signal.SIGKILL, 3: 0}
     text = format_report([gone], world=4, died=died)
     lines = text.strip().splitlines()
-    assert lines[-2].startswith("lightning-disttrain: rank 1 crashed in native code (SIGSEGV)"), text
-    assert lines[-1] == ("lightning-disttrain: rank 2 was killed by SIGKILL (the kernel's out-of-memory killer "
+    assert lines[-3].startswith("lightning-disttrain: rank 1 crashed in native code (SIGSEGV)"), text
+    assert lines[-2] == ("lightning-disttrain: rank 2 was killed by SIGKILL (the kernel's out-of-memory killer "
                          "sends it, as does `kill -9`)"), text
+    assert lines[-1] == ("lightning-disttrain: rank 3 exited with code 0 (it had finished) while the others still "
+                         "waited for it in a collective: the ranks did not run the same collectives"), text
     assert "every failing process failed in communication" not in text  # the cause is known
     assert "error on rank 0: RuntimeError: Connection closed by peer" in text
-    # a rank recorded its own error: not named again
-    assert errors._died_without_a_record(procs, [gone, Record.of(_raised(ValueError("x")), 1)]) == {2: -signal.SIGKILL}
+    # a rank recorded its own error: not named again; after a real (primary) error, one that
+    # finished is not a cause
+    primary = Record.of(_raised(ValueError("x")), 1)
+    assert errors._died_without_a_record(procs, [gone, primary]) == {2: -signal.SIGKILL}
+
+
+_SILENT_RANK = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("rank_errors", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules["rank_errors"] = module
+spec.loader.exec_module(module)
+errors = module.RunErrors.for_this_process()
+assert not errors.reporter, "launched as rank 1 of the test's run"
+
+def waiting_in_another_collective():
+    print("ready", flush=True)
+    time.sleep(600)
+
+waiting_in_another_collective()
+"""
+
+
+def test_a_silent_rank_still_running_is_shown_where_it_was(tmp_path, monkeypatch):
+    # Issue 42 (1): rank 0 failed in communication while rank 1 had no error of its own. Rank 1 is a
+    # real process registered as a launched rank; rank 0 (this process) has it dump its stacks before
+    # stopping it, and the report shows where its main thread was, the innermost frame last.
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from lightning_disttrain import rank_errors
+    from lightning_disttrain.rank_errors import ENV_DIR, ENV_REPORTER, RunErrors
+
+    if rank_errors.STACK_SIGNAL is None:
+        import pytest
+
+        pytest.skip("no real-time signals on this platform")
+    monkeypatch.delenv("LDT_TRACEBACK", raising=False)
+    monkeypatch.setattr(rank_errors, "SECONDARY_GRACE_S", 0.5)
+    env = dict(__import__("os").environ, **{ENV_DIR: str(tmp_path), ENV_REPORTER: str(__import__("os").getpid()),
+                                            "LOCAL_RANK": "1"})
+    proc = subprocess.Popen([sys.executable, "-S", "-c", _SILENT_RANK, rank_errors.__file__], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        errors = RunErrors(tmp_path, reporter=True)
+        errors.trainer = SimpleNamespace(global_rank=0, strategy=SimpleNamespace(launcher=SimpleNamespace(procs=[proc])))
+        own = Record.of(_raised(RuntimeError("Connection closed by peer")), 0)
+        text = errors._report_text(errors._collect(own))
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    lines = text.strip().splitlines()
+    assert "rank 1 had no error of its own and was still running; its main thread was at" in text, text
+    assert "in waiting_in_another_collective" in text, text
+    assert lines[-2] == "lightning-disttrain: error on rank 0: RuntimeError: Connection closed by peer", text
+    assert lines[-1].startswith("lightning-disttrain: rank 1 was still running, without an error, at File "), text
+    assert lines[-1].endswith("in waiting_in_another_collective (its stack is above)"), text
+    assert "every failing process failed in communication" not in text
+
+
+def test_main_thread_stack_reads_faulthandlers_dump():
+    from lightning_disttrain.rank_errors import STACK_FRAMES, main_thread_stack
+
+    frames = "".join(f'  File "f.py", line {i} in f{i}\n' for i in range(STACK_FRAMES + 3))
+    dump = ("main thread 0x00007f00000000aa\n"
+            "Thread 0x00007f00000000bb (most recent call first):\n  File \"t.py\", line 1 in watcher\n\n"
+            f"Current thread 0x00007f00000000aa (most recent call first):\n{frames}")
+    stack = main_thread_stack(dump).splitlines()
+    assert stack[0] == '  File "f.py", line 0 in f0' and "watcher" not in "".join(stack)
+    assert len(stack) == STACK_FRAMES + 1 and stack[-1] == "  ... 3 more"
+    assert main_thread_stack("no dump") == ""
