@@ -23,10 +23,9 @@ stops at once too. Between ``training_started()`` and ``training_ended()`` (``Pr
 ``on_train_start`` and ``teardown``) the signals are that callback's, and this module ignores them.
 
 Installed by ``cli.main`` for the LightningCLI subcommands, on every rank (kept to the end of the
-process when it is the process; a call from Python gives them back). A ``Trainer`` run from Python
-gets them from ``PreemptionCheckpoint.setup`` until its ``teardown`` (every run under our
-strategies has one), stopping with a line from the signalled rank and the signal passed on to the
-ranks it launched. Forked children (DataLoader workers) get the default actions back, and a signal they
+process when it is the process; a call from Python gives them back). A ``Trainer`` run from a
+user's own script does not get them (not built: holding process-wide signals from a callback
+inside someone else's process needs more care than this change took). Forked children (DataLoader workers) get the default actions back, and a signal they
 receive never reaches their parent's thread.
 """
 
@@ -91,14 +90,13 @@ class StartupSignals:
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
         if self._pipe is not None:
-            read, write = self._pipe
+            _, write = self._pipe
             self._pipe = None
             if signal.set_wakeup_fd(-1) != write:  # not ours any more: put back whatever is there
                 signal.set_wakeup_fd(signal.set_wakeup_fd(-1))
-            os.close(write)  # the thread reads end-of-file and returns
+            os.close(write)  # the thread reads end-of-file, closes its end and returns
             if self._thread is not None:
                 self._thread.join(timeout=5)
-            os.close(read)
 
     # ---- the signal ---------------------------------------------------------------------------
 
@@ -111,17 +109,22 @@ class StartupSignals:
             self._maybe_stop(signum)
 
     def _wake(self) -> None:
+        # The read end is this thread's: it closes it when the write end is gone, so its descriptor
+        # number is never reused while this thread may still read it.
         read = self._pipe[0] if self._pipe else -1
-        while True:
-            try:
+        try:
+            while True:
                 data = os.read(read, 64)
-            except OSError:
-                return
-            if not data:
-                return
-            for signum in data:
-                if signum in STOP_SIGNALS:
-                    self._maybe_stop(signum)
+                if not data:
+                    return
+                for signum in data:
+                    if signum in STOP_SIGNALS:
+                        self._maybe_stop(signum)
+        except OSError:
+            return
+        finally:
+            if read >= 0 and os.getpid() == self._pid:
+                os.close(read)
 
     def _maybe_stop(self, signum: int) -> None:
         if self._training or os.getpid() != self._pid:

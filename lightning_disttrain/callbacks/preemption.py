@@ -82,7 +82,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -287,7 +286,6 @@ class PreemptionCheckpoint(Callback):
         self._agreed_at = 0.0  # time.monotonic() at its end
         self._poller: NoticePoller | None = None
         self._flag_group: Any = None  # comm.host_group(), from setup
-        self._own_startup_signals: startup_signals.StartupSignals | None = None  # from Python, see setup
 
     grace_period_for = staticmethod(grace_period_for)
 
@@ -340,17 +338,6 @@ class PreemptionCheckpoint(Callback):
             self._take_over_lightnings_handlers(trainer)
         if self.save:  # every stage: `validate/test/predict --config X.yaml` with X's ckpt_path: auto
             self._resolve_auto_on_restore(trainer)
-        self.hold_signals_before_training(trainer)
-
-    def hold_signals_before_training(self, trainer: pl.Trainer) -> None:
-        """From Python (the CLI installs them for the whole process): until ``on_train_start`` a
-        signal stops this rank and the ranks it launched at once (setup, sharding, loading a
-        checkpoint, the sanity check), instead of killing it without a word; given back at
-        ``teardown``. Called from ``setup`` and, earlier, by ``ensure_signal_safety`` (our
-        strategies, right after the process group starts)."""
-        if startup_signals.installed() is None and self._own_startup_signals is None:
-            self._own_startup_signals = startup_signals.install(
-                lambda signum: self._stop_outside_training(trainer, signum))
 
     def _resolve_auto_on_restore(self, trainer: pl.Trainer) -> None:
         # Lightning passes ckpt_path="auto" through unchanged (not one of its names) to the restore,
@@ -451,7 +438,6 @@ class PreemptionCheckpoint(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning runs no teardown hook after an exception: out of the training loop here too.
         startup_signals.training_ended()
-        self._release_signals_before_training()
         if isinstance(exception, PreemptionExit):
             return
         from lightning_disttrain.rank_errors import is_secondary
@@ -476,28 +462,6 @@ class PreemptionCheckpoint(Callback):
             self._poller = None
         self._restore_handlers()
         startup_signals.training_ended()  # outside the training loop: a signal stops the run at once
-        self._release_signals_before_training()
-
-    def _release_signals_before_training(self) -> None:
-        if self._own_startup_signals is not None:
-            startup_signals.uninstall(self._own_startup_signals)
-            self._own_startup_signals = None
-
-    def _stop_outside_training(self, trainer: pl.Trainer, signum: int) -> None:
-        """A preemption signal outside the training loop, in a run started from Python (on the thread
-        the signal woke): say so, pass it on to the local ranks this process launched, and exit
-        with ``exit_code``. Nothing is saved: there is nothing new to save before training."""
-        name = signal.Signals(signum).name
-        sys.stderr.write(f"[rank {trainer.global_rank}] received {name} outside the training loop: nothing to save, "
-                         f"exiting with code {self.exit_code} (the ranks this process launched get {name} too)\n")
-        sys.stderr.flush()
-        _stop_child_observer()  # exiting non-zero on purpose: Lightning's observer must not kill this process first
-        launcher = getattr(trainer.strategy, "launcher", None)
-        for proc in getattr(launcher, "procs", None) or []:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-        logging.shutdown()
-        os._exit(self.exit_code)
 
     # ---- agreement, save, exit --------------------------------------------------------------
 
@@ -725,12 +689,9 @@ def ensure_signal_safety(trainer: pl.Trainer) -> None:
     """Give a run without a ``PreemptionCheckpoint`` one that saves nothing: a SIGTERM / SIGUSR1 on
     any rank (or on the launcher, which is rank 0) then makes every rank agree at the next
     agreement (``check_every_n_steps="auto"``) and exit with code 143 and one message, instead of Lightning's handler, which
-    broadcasts inside the signal handler and leaves the ranks waiting on each other for good. Before
-    training (called right after the process group starts) a signal stops every rank at once
-    (``PreemptionCheckpoint.hold_signals_before_training``)."""
+    broadcasts inside the signal handler and leaves the ranks waiting on each other for good."""
     if not any(isinstance(cb, PreemptionCheckpoint) for cb in trainer.callbacks):
         trainer.callbacks.append(PreemptionCheckpoint(save=False))
-    next(cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)).hold_signals_before_training(trainer)
 
 
 def _all_gather_objects(obj: Any) -> list[Any]:
