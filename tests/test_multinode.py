@@ -58,11 +58,21 @@ def _ranks(output: str) -> dict[int, tuple]:
 
 def _launches(tmp_path_factory):
     def torchrun_launch():
+        import torch.distributed as dist
+
         out = tmp_path_factory.mktemp("multinode")
         args = [str(EXAMPLE), "--nodes", "2", "--devices", "2", "--out", str(out)]
+        # The rendezvous store lives here, beyond both agents (is_host=false): when the agent that
+        # hosted it finished first, the other one waited in torchrun's exit barrier for its 300 s
+        # timeout (2026-12-05: 280 s of one suite run's setup; py-spy: SimpleElasticAgent._exit_barrier).
+        port = free_port()
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
-        return _wait([popen([*torchrun, *args, "--max-steps", "5"]) for _ in range(2)]), args, out  # two "machines"
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false"]
+        try:
+            return _wait([popen([*torchrun, *args, "--max-steps", "5"]) for _ in range(2)]), args, out  # two "machines"
+        finally:
+            del store
 
     rerun = None
     try:
