@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,7 +157,8 @@ def main() -> None:
     parser.add_argument("--back-to-back", action="store_true",
                         help="each repeat: preempt a fresh run, then resume at once (see above)")
     parser.add_argument("--signal-between", type=float, nargs=2, default=(10.0, 30.0), metavar=("MIN", "MAX"),
-                        help="--back-to-back: the SIGTERM comes this many seconds after the start (uniform)")
+                        help="--back-to-back, --signal-resume: the SIGTERM comes this many seconds after the "
+                             "start (uniform)")
     parser.add_argument("--signal-resume", action="store_true",
                         help="each repeat: SIGTERM the resume itself during its start-up (see above)")
     parser.add_argument("--signal-on", default=None, metavar="TEXT",
@@ -166,60 +168,34 @@ def main() -> None:
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
     if args.back_to_back:
-        _main_back_to_back(args)
-        return
+        _repeat(args, "back-to-back resumes", lambda work, draw, i: _back_to_back(
+            work, draw.uniform(*args.signal_between), whole_group=i % 2 == 1))
     template = args.out / "template"
     template.mkdir(parents=True)
     _preempted_run(template, args.signal_after)
     if args.signal_resume:
-        _main_signal_resume(args, template)
-        return
-    stop = multiprocessing.Event()
-    spinners = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.load)]
-    for s in spinners:
-        s.start()
-    failures = 0
-    try:
-        for i in range(args.repeats):
-            work = args.out / f"run{i:03d}"
-            shutil.copytree(template, work, symlinks=True)
-            start = time.perf_counter()
-            proc = subprocess.run(COMMAND, cwd=work, capture_output=True, text=True, timeout=600,
-                                  env=dict(os.environ, PYTHONFAULTHANDLER="1"))
-            took = time.perf_counter() - start
-            ok = proc.returncode == 0 and "resuming from" in (proc.stdout + proc.stderr).lower()
-            print(f"resume {i:3d}: exit {proc.returncode}, {took:5.1f} s{'' if ok else '  FAILED'}", flush=True)
-            if ok:
-                shutil.rmtree(work)
-            else:
-                failures += 1
-                (work / "output.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    finally:
-        stop.set()
-        for s in spinners:
-            s.join(timeout=5)
-    print(f"{failures} of {args.repeats} resumes failed (beside {args.load} CPU-bound processes); "
-          f"outputs of failures under {args.out}")
-    raise SystemExit(1 if failures else 0)
+        _repeat(args, "signalled resumes", lambda work, draw, i: _signal_resume(
+            work, template, draw.uniform(*args.signal_between), whole_group=i % 2 == 1, signal_on=args.signal_on))
+    else:
+        _repeat(args, "resumes", lambda work, draw, i: _plain_resume(work, template))
 
 
-def _main_signal_resume(args, template: Path) -> None:
-    draw = random.Random(args.seed)
-    failures = 0
-    for i in range(args.repeats):
-        work = args.out / f"run{i:03d}"
-        ok, what = _signal_resume(work, template, draw.uniform(*args.signal_between), whole_group=i % 2 == 1,
-                                  signal_on=args.signal_on)
-        print(f"repeat {i:3d}: {what}{'' if ok else '  FAILED'}", flush=True)
-        if ok:
-            shutil.rmtree(work)
-        else:
-            failures += 1
-    print(f"{failures} of {args.repeats} signalled resumes failed; outputs of failures under {args.out}")
-    raise SystemExit(1 if failures else 0)
+def _plain_resume(work: Path, template: Path) -> tuple[bool, str]:
+    """The resume from a fresh copy of the template, left alone; (ok, what happened)."""
+    shutil.copytree(template, work, symlinks=True)
+    start = time.perf_counter()
+    proc = subprocess.run(COMMAND, cwd=work, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    took = time.perf_counter() - start
+    ok = proc.returncode == 0 and "resuming from" in (proc.stdout + proc.stderr).lower()
+    if not ok:
+        (work / "output.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return ok, f"exit {proc.returncode}, {took:5.1f} s"
 
 
-def _main_back_to_back(args) -> None:
+def _repeat(args, what: str, one: Callable[[Path, random.Random, int], tuple[bool, str]]) -> None:
+    """``one(work, draw, i)`` ``--repeats`` times beside ``--load`` CPU-bound processes; the directory
+    of a repeat that passed is removed, a failed one's kept. Exits 1 if any failed."""
     draw = random.Random(args.seed)
     stop = multiprocessing.Event()
     spinners = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.load)]
@@ -229,8 +205,8 @@ def _main_back_to_back(args) -> None:
     try:
         for i in range(args.repeats):
             work = args.out / f"run{i:03d}"
-            ok, what = _back_to_back(work, draw.uniform(*args.signal_between), whole_group=i % 2 == 1)
-            print(f"repeat {i:3d}: {what}{'' if ok else '  FAILED'}", flush=True)
+            ok, said = one(work, draw, i)
+            print(f"repeat {i:3d}: {said}{'' if ok else '  FAILED'}", flush=True)
             if ok:
                 shutil.rmtree(work)
             else:
@@ -239,7 +215,7 @@ def _main_back_to_back(args) -> None:
         stop.set()
         for s in spinners:
             s.join(timeout=5)
-    print(f"{failures} of {args.repeats} back-to-back resumes failed (beside {args.load} CPU-bound processes); "
+    print(f"{failures} of {args.repeats} {what} failed (beside {args.load} CPU-bound processes); "
           f"outputs of failures under {args.out}")
     raise SystemExit(1 if failures else 0)
 

@@ -55,6 +55,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 ENV_DIR = "LDT_ERRORS_DIR"
 ENV_REPORTER = "LDT_ERRORS_REPORTER_PID"
@@ -214,14 +215,13 @@ class RunErrors:
     # ---- rank 0 ------------------------------------------------------------------------
 
     def _report_text(self, records: list[Record]) -> str:
-        children = self._children()
-        first = getattr(self.trainer, "global_rank", 0) + 1  # Lightning starts local ranks 1..N-1 in order
-        return format_report(records, world=len(children) + 1 if children else _world_size(),
-                             died=self._died_without_a_record(children, records),
+        launched = self._launched()
+        return format_report(records, world=len(launched) + 1 if launched else _world_size(),
+                             died=self._died_without_a_record(launched, records),
                              # only when no rank says what went wrong: after an error or a stop the
                              # other ranks just wait where they were
                              stacks={} if any(r.primary for r in records) else
-                             self._stacks_of_silent_ranks(children, records, first))
+                             self._stacks_of_silent_ranks(launched, records))
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -278,27 +278,29 @@ class RunErrors:
         launcher = getattr(getattr(self.trainer, "strategy", None), "launcher", None)
         return list(getattr(launcher, "procs", None) or [])
 
-    def _died_without_a_record(self, children: list, records: list[Record]) -> dict[int, int]:
+    def _launched(self) -> dict[int, Any]:
+        """{global rank: process} of the ranks this process launched: Lightning's launcher starts
+        local ranks 1..N-1 in order, after this process's rank."""
+        first = getattr(self.trainer, "global_rank", 0) + 1
+        return {first + i: proc for i, proc in enumerate(self._children())}
+
+    def _died_without_a_record(self, launched: dict[int, Any], records: list[Record]) -> dict[int, int]:
         """{rank: exit status} of the launched ranks that ended without writing a record: killed by a
         signal (negative status, as ``Popen.returncode`` has it) or exited non-zero outside
         ``cli.main``; and, when every recorded error is a failed collective, those that exited 0:
         a rank that finished while the others still waited for it in a collective is the cause
-        (after a real error elsewhere it is not). Lightning's launcher starts local ranks 1..N-1 in
-        order, after this process's rank."""
-        first = getattr(self.trainer, "global_rank", 0) + 1
+        (after a real error elsewhere it is not)."""
         recorded = {r.rank for r in records}
         in_communication = not any(r.primary for r in records)
-        return {first + i: proc.returncode for i, proc in enumerate(children)
-                if proc.poll() is not None and (proc.returncode != 0 or in_communication)
-                and first + i not in recorded}
+        return {rank: proc.returncode for rank, proc in launched.items()
+                if proc.poll() is not None and (proc.returncode != 0 or in_communication) and rank not in recorded}
 
-    def _stacks_of_silent_ranks(self, children: list, records: list[Record], first: int) -> dict[int, str]:
+    def _stacks_of_silent_ranks(self, launched: dict[int, Any], records: list[Record]) -> dict[int, str]:
         """{rank: its main thread's stack} of the launched ranks still running without a record of
         their own, each asked for a dump (``STACK_SIGNAL``) before rank 0 stops them: where a rank
         was that neither failed nor ended (a hang, another collective than the others')."""
         recorded = {r.rank for r in records}
-        silent = {first + i: proc for i, proc in enumerate(children)
-                  if proc.poll() is None and first + i not in recorded}
+        silent = {rank: proc for rank, proc in launched.items() if proc.poll() is None and rank not in recorded}
         if STACK_SIGNAL is None or not silent:
             return {}
         asked = {}
@@ -313,9 +315,11 @@ class RunErrors:
             time.sleep(POLL_S / 2)
             for rank, path in list(asked.items()):
                 text = _read(path)
-                if "(most recent call first)" in text and text == _read(path, after_s=0.05):  # written out
-                    texts[rank] = text
-                    del asked[rank]
+                if "(most recent call first)" in text:
+                    time.sleep(0.05)
+                    if _read(path) == text:  # written out
+                        texts[rank] = text
+                        del asked[rank]
         return {rank: stack for rank, text in texts.items() if (stack := main_thread_stack(text))}
 
     # ---- the other ranks ---------------------------------------------------------------
@@ -372,9 +376,7 @@ class RunErrors:
         return sorted(records, key=lambda r: r.rank)
 
 
-def _read(path: Path, after_s: float = 0.0) -> str:
-    if after_s:
-        time.sleep(after_s)
+def _read(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
     except OSError:

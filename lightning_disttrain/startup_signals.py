@@ -58,10 +58,6 @@ class StartupSignals:
         self._pipe: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
 
-    @property
-    def training(self) -> bool:
-        return self._training
-
     def install(self) -> bool:
         """Take the signals (main thread only: Python's rule for handlers); False if not installed."""
         if threading.current_thread() is not threading.main_thread():
@@ -141,11 +137,6 @@ def install(stop: Callable[[int], None]) -> StartupSignals | None:
         return None
     _installed = handlers
     return handlers
-
-
-def installed() -> StartupSignals | None:
-    """This process's handlers, if installed (by ``cli.main`` or ``PreemptionCheckpoint``)."""
-    return _installed
 
 
 def uninstall(handlers: StartupSignals | None) -> None:

@@ -3,6 +3,9 @@
 The whole path (2 ranks through the real command) is tested in test_cli_errors.py.
 """
 
+import signal
+
+import pytest
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -62,7 +65,6 @@ def test_single_process_report_has_no_rank(monkeypatch):
 def test_a_rank_that_died_without_a_record_is_named_with_its_signal(monkeypatch):
     # Issue 42 (1): rank 1 vanished while rank 0 waited in a collective; rank 0's report said only that
     # every failing process failed in communication. Real processes, ended as such a rank ends.
-    import signal
     import subprocess
     import sys
     from types import SimpleNamespace
@@ -77,7 +79,7 @@ def test_a_rank_that_died_without_a_record_is_named_with_its_signal(monkeypatch)
     errors = RunErrors.__new__(RunErrors)  # only the trainer is read; no directory, no watcher thread
     errors.trainer = SimpleNamespace(global_rank=0, strategy=SimpleNamespace(launcher=SimpleNamespace(procs=procs)))
     gone = Record.of(_raised(RuntimeError("Connection closed by peer")), 0)
-    died = errors._died_without_a_record(errors._children(), [gone])
+    died = errors._died_without_a_record(errors._launched(), [gone])
     # rank 3 exited 0 while rank 0 failed in communication: it had finished while rank 0 still waited
     # for it in a collective (the ranks ran different collectives), so it is named too.
     assert died == {1: -signal.SIGSEGV, 2: -signal.SIGKILL, 3: 0}
@@ -93,7 +95,7 @@ def test_a_rank_that_died_without_a_record_is_named_with_its_signal(monkeypatch)
     # a rank recorded its own error: not named again; after a real (primary) error, one that
     # finished is not a cause
     primary = Record.of(_raised(ValueError("x")), 1)
-    assert errors._died_without_a_record(procs, [gone, primary]) == {2: -signal.SIGKILL}
+    assert errors._died_without_a_record(errors._launched(), [gone, primary]) == {2: -signal.SIGKILL}
 
 
 _SILENT_RANK = """
@@ -113,6 +115,7 @@ waiting_in_another_collective()
 """
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGRTMIN"), reason="no real-time signals on this platform (no stack dumps)")
 def test_a_silent_rank_still_running_is_shown_where_it_was(tmp_path, monkeypatch):
     # Issue 42 (1): rank 0 failed in communication while rank 1 had no error of its own. Rank 1 is a
     # real process registered as a launched rank; rank 0 (this process) has it dump its stacks before
@@ -124,10 +127,6 @@ def test_a_silent_rank_still_running_is_shown_where_it_was(tmp_path, monkeypatch
     from lightning_disttrain import rank_errors
     from lightning_disttrain.rank_errors import ENV_DIR, ENV_REPORTER, RunErrors
 
-    if rank_errors.STACK_SIGNAL is None:
-        import pytest
-
-        pytest.skip("no real-time signals on this platform")
     monkeypatch.delenv("LDT_TRACEBACK", raising=False)
     monkeypatch.setattr(rank_errors, "SECONDARY_GRACE_S", 0.5)
     env = dict(__import__("os").environ, **{ENV_DIR: str(tmp_path), ENV_REPORTER: str(__import__("os").getpid()),
